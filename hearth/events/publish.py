@@ -20,6 +20,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from hearth.events.cancellation import keeping_cancellation
 from hearth.events.metrics import events_published_total
 from hearth.events.models import EventEnvelope, encode_event
 from hearth.events.ordered_reader import core_client
@@ -84,7 +85,7 @@ async def publish_event(
     async for attempt in retrying:
         with attempt:
             await _until_connected(connection, timeout_s)
-            ack = await js.publish(target, payload, timeout=timeout_s, headers=headers)
+            ack = await keeping_cancellation(js.publish(target, payload, timeout=timeout_s, headers=headers))
     events_published_total.labels(type=event.type).inc()  # type: ignore[attr-defined]
     return ack
 

@@ -173,7 +173,7 @@ async def ensure_stream(js: JetStreamContext, config: Callable[..., StreamConfig
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         # An identical add is a no-op on the server, so two processes starting together both succeed.
-        await js.add_stream(config)
+        await keeping_cancellation(js.add_stream(config))
         log.debug("stream %s ensured", config.name)
         return
     except APIError as error:
@@ -185,11 +185,11 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
             raise
     # It exists with another configuration (an older hearth, or replicas differ): update it in place.
     try:
-        await js.update_stream(config)
+        await keeping_cancellation(js.update_stream(config))
         log.info("stream %s updated to the current spec", config.name)
     except NotFoundError:
         # Deleted between our add and update: create it.
-        await js.add_stream(config)
+        await keeping_cancellation(js.add_stream(config))
     except APIError as error:
         if error.err_code != _STREAM_UPDATE_REFUSED_ERR_CODE:
             raise

@@ -374,7 +374,7 @@ class Projector:
     async def _check_stream(self, stream: str) -> None:
         """Poll `stream`'s last sequence, and whether it is still the stream the position was taken in."""
         try:
-            async with asyncio.timeout(stream_info_timeout_s):  # the stop's cancellation is never lost (see above)
+            async with asyncio.timeout(stream_info_timeout_s):  # stream_state keeps a stop that lands as it is answered
                 state = await stream_state(self._js, stream)
             self.stream_last_seqs[stream] = max(state.last_seq, self.positions[stream])
             await self._identities.check(stream, state, self.positions[stream], record=self._record_stream_identity)

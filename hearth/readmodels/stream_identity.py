@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import timezone
 
+from hearth.events.cancellation import keeping_cancellation
+
 log = logging.getLogger(__name__)
 
 
@@ -32,7 +34,7 @@ class StreamState:
 
 
 async def stream_state(js, stream: str) -> StreamState:
-    info = await js.stream_info(stream)
+    info = await keeping_cancellation(js.stream_info(stream))
     created = info.created.astimezone(timezone.utc).isoformat() if info.created is not None else None
     return StreamState(created=created, last_seq=int(info.state.last_seq))
 

@@ -76,7 +76,7 @@ async def _checked_info(js, key: str, what: str, max_bytes: int):
     from nats.js.errors import NotFoundError, ObjectNotFoundError
 
     try:
-        message = await js.get_last_msg(WEIGHTS_STREAM, _meta_subject(key))
+        message = await keeping_cancellation(js.get_last_msg(WEIGHTS_STREAM, _meta_subject(key)))
     except NotFoundError:
         raise ObjectNotFoundError from None
     try:
@@ -234,7 +234,7 @@ async def stored_meta(js, key: str) -> StoredMeta:
     from nats.js.errors import NotFoundError
 
     try:
-        message = await js.get_last_msg(WEIGHTS_STREAM, _meta_subject(key))
+        message = await keeping_cancellation(js.get_last_msg(WEIGHTS_STREAM, _meta_subject(key)))
     except NotFoundError:
         return StoredMeta()
     meta = json.loads(message.data)
@@ -279,7 +279,7 @@ async def _stored_chunks(js, data: bytes, chunk_bytes: int) -> tuple[str, int]:
     count = 0
     try:
         for start in range(0, len(data), chunk_bytes):  # one chunk copied at a time: a layer's object is large
-            await js.publish(_chunk_subject(nuid), data[start:start + chunk_bytes])
+            await keeping_cancellation(js.publish(_chunk_subject(nuid), data[start:start + chunk_bytes]))
             count += 1
     except BaseException:  # an error, or Ctrl-C cancelling the task
         await _purge_quietly(js, nuid)
@@ -301,8 +301,8 @@ async def _meta_stored(js, key: str, data: bytes, nuid: str, count: int, chunk_b
                       digest="SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode(),
                       options=ObjectMetaOptions(max_chunk_size=chunk_bytes))
     try:
-        await js.publish(_meta_subject(key), json.dumps(info.as_dict()).encode(), headers={
-            Header.ROLLUP: "sub", Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(seen.sequence)})
+        await keeping_cancellation(js.publish(_meta_subject(key), json.dumps(info.as_dict()).encode(), headers={
+            Header.ROLLUP: "sub", Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(seen.sequence)}))
     except APIError as error:  # refused (another error may come after the server stored it: the chunks stay)
         await js.purge_stream(WEIGHTS_STREAM, subject=_chunk_subject(nuid))
         if error.err_code == WRONG_LAST_SEQUENCE_ERR_CODE:

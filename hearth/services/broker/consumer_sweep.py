@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hearth.events.cancellation import keeping_cancellation
 from hearth.events.signing import RosterFile
 from hearth.events.streams import ALL_STREAMS, consumer_inactive_limit_s, weights_consumer_inactive_limit_s
 from hearth.services.broker.connection import close_quietly, connect_nats, connection_identity
@@ -193,7 +194,7 @@ async def sweep_consumers(nc, roster: Roster, streams: Iterable[str] = SWEPT_STR
 
 
 async def _api(nc, subject: str, body: bytes = b"") -> dict:
-    reply = await nc.request(subject, body, timeout=api_timeout_s)
+    reply = await keeping_cancellation(nc.request(subject, body, timeout=api_timeout_s))
     answer = json.loads(reply.data)
     if not isinstance(answer, dict):
         raise ValueError(f"{subject}: the broker answered {type(answer).__name__}")
@@ -275,7 +276,7 @@ class ConsumerSweeper:
                         connection = await connect_nats(self.settings.url, name="hearth consumer sweep",
                                                         settings=self.settings)
                         await connection.subscribe(API_AUDIT_ADVISORIES, cb=api_audited)
-                        await connection.flush(api_timeout_s)
+                        await keeping_cancellation(connection.flush(api_timeout_s))
                         self.watching.set()
                     created.clear()
                     for swept in await sweep_consumers(connection, self.roster_file.current(),

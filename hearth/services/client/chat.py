@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NatsClient
 from pydantic import ValidationError
 
+from hearth.events.cancellation import keeping_cancellation
 from hearth.services.client.answer_bound import within_bound
 from hearth.services.common.call_signing import signed_call_headers
 from hearth.services.common.config_processes import OrchestratorSettings
@@ -94,7 +95,8 @@ async def stream_chat_raw(
         while True:
             waited_from = time.monotonic()
             try:
-                message = await subscription.next_msg(timeout=order.wait_s(outage.wait_s(timeout)))
+                message = await keeping_cancellation(
+                    subscription.next_msg(timeout=order.wait_s(outage.wait_s(timeout))))
             except (asyncio.TimeoutError, TimeoutError):
                 if order.gap_overdue():
                     yield order.stalled()

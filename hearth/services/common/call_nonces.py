@@ -33,6 +33,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, Header, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError
 
+from hearth.events.cancellation import keeping_cancellation
 from hearth.events.streams import MiB, StreamSetup, cluster_stream_replicas, ensure_stream, wait_for_streams
 from hearth.services.common.call_signing import HEADER_CALLER, HEADER_CALLER_NONCE, CallRefused, CallVerifier
 from hearth.services.common.metrics import counter
@@ -144,8 +145,9 @@ class MeshNonces:
         subject = f"$KV.{CALL_NONCES_BUCKET}.{signer}.{nonce}"
         try:
             async with asyncio.timeout(self.timeout_s):
-                await self._js.publish(subject, self._value, timeout=self.timeout_s, msg_ttl=self.window_s,
-                                       headers={Header.EXPECTED_LAST_SUBJECT_SEQUENCE: "0"})
+                await keeping_cancellation(self._js.publish(
+                    subject, self._value, timeout=self.timeout_s, msg_ttl=self.window_s,
+                    headers={Header.EXPECTED_LAST_SUBJECT_SEQUENCE: "0"}))
         except APIError as error:
             if error.err_code in _KEY_EXISTS_ERR_CODES:
                 return False

@@ -10,6 +10,7 @@ import time
 
 from nats.errors import Error as NatsError, NoRespondersError
 
+from hearth.events.cancellation import keeping_cancellation
 from hearth.protocol.control import CloseHop, ControlReply, KeepHop, OpenHop, PrefixBlocks, reply_says_ok
 from hearth.protocol.subjects import hop_notice_subject, keepalive_subject
 from hearth.services.broker.connection import flush_ordered
@@ -85,8 +86,8 @@ class HopSessions:
         if isinstance(sent, ControlReply):
             return sent
         asked_at = time.perf_counter()
-        message = await self.nc.request(hop.control_subject, sent[0], timeout=self.transport.control_timeout_s,
-                                        headers=sent[1])
+        message = await keeping_cancellation(self.nc.request(
+            hop.control_subject, sent[0], timeout=self.transport.control_timeout_s, headers=sent[1]))
         if self.on_round_trip is not None:
             self.on_round_trip(hop.shard_id, time.perf_counter() - asked_at)
         return ControlReply.model_validate_json(message.data)

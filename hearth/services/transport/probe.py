@@ -9,6 +9,7 @@ from typing import Protocol
 from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 
+from hearth.events.cancellation import keeping_cancellation
 from hearth.protocol.control import ShardStat, StatShard
 
 
@@ -28,7 +29,8 @@ class Controlled(Protocol):
 async def probe_outcome(nc: NatsClient, shard: Controlled, timeout_s: float) -> ProbeOutcome:
     """How the shard reacts to `stat`: answers, has no responder (gone), or stays silent."""
     try:
-        message = await nc.request(shard.control_subject, StatShard().model_dump_json().encode(), timeout=timeout_s)
+        message = await keeping_cancellation(
+            nc.request(shard.control_subject, StatShard().model_dump_json().encode(), timeout=timeout_s))
         ShardStat.model_validate_json(message.data)
     except NoRespondersError:
         return ProbeOutcome.no_responder
