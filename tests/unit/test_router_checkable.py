@@ -114,3 +114,29 @@ def test_a_conversation_s_kept_chain_is_not_taken_where_it_could_not_be_checked(
         assert named(with_affinity(mesh, "sampled", kept)) == kept
     # Where no chain has the replicas (`vote` asks two other nodes per hop), every chain lacks them alike: the kept one.
     assert named(with_affinity(mesh, "vote", [("front", 0, 3), ("back", 4, 7)])) == [("front", 0, 3), ("back", 4, 7)]
+
+
+def test_a_shard_advertising_another_layer_count_is_neither_a_hop_of_a_kept_chain_nor_a_checking_replica(mesh):
+    # The whole-model replica advertises 16 layers where the model has 8: routing leaves it out (router.py `plan`),
+    # and so must the kept prefix weighed over the same shards (construct.py asks router.py `usable` for them).
+    mesh.add(0, 3, "front")
+    mesh.add(4, 7, "back")
+    mesh.add(0, 7, "whole", total=16)
+    router = mesh.router()
+    candidates = router.candidates(MODEL_ID)
+    usable = {c.shard_id: c for c in router.usable(candidates, WEIGHTS_SHA, now=mesh.now, model_layers=8)}
+    assert sorted(c.node_id for c in usable.values()) == ["back", "front"]
+    planned = router.plan(candidates, MODEL_ID, WEIGHTS_SHA, now=mesh.now, model_layers=8,
+                          mirrors_per_hop=MIRRORS_PER_LEVEL["sampled"])
+    assert named(planned) == [("front", 0, 3), ("back", 4, 7)]
+    by_node = {c.node_id: c.shard_id for c in candidates}
+    # Counted as a replica, "whole" would check both halves and the kept chain through it would be as checkable
+    # as the planned one, and taken for the prefill it saves.
+    holding = KeptChain(hops=((by_node["front"], 0, 3), (by_node["whole"], 4, 7)), blocks=32)
+    def affinity(over: dict) -> list[Hop]:
+        return prefer_kept(planned, holding, over, load=None, block_tokens=32, prompt_positions=1025, max_tokens=40,
+                           prefill_token_cost=0.25, mirrors_per_hop=MIRRORS_PER_LEVEL["sampled"])[0]
+
+    # Over every live shard (the filter construct.py had), "whole" is a hop of the chain taken and checks "front".
+    assert named(affinity({c.shard_id: c for c in candidates})) == [("front", 0, 3), ("whole", 4, 7)]
+    assert affinity(usable) == planned

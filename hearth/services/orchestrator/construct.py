@@ -272,10 +272,12 @@ class ChainBuilder:
         reusable = self._reusable(self.naming(hops[0].quantization) if hops else None)
         if reusable is None:
             return hops
-        router = self.ctx.router
-        now = router.now()
-        usable = {c.shard_id: c for c in candidates if c.weights_sha256 == self.call.model.weights_sha256
-                  and router.left_out_because(c, excluded, now, load) is None}
+        model = self.call.model
+        # The shards routing itself may use (router.py `usable`): one advertising another layer count is neither a
+        # hop of the kept chain nor a replica checking a hop.
+        usable = {c.shard_id: c for c in self.ctx.router.usable(
+            candidates, model.weights_sha256, exclude=excluded, now=self.ctx.router.now(), load=load,
+            model_layers=model.head.info.num_layers)}
         # Ours first (no lag behind the log), the read model's when it knows of more blocks (another orchestrator's
         # calls, or ours before a restart).
         kept = longer_kept(self.ctx.kept_chains.holding(reusable.hashes), self.recorded_kept.get(hops[0].quantization))

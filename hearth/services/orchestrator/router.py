@@ -214,11 +214,7 @@ class ShardRouter:
         one shard advertising another count cannot make the model unroutable; `exclude`: shards not to use, each
         with why when a mapping (a failure to route repeats it); `mirrors_per_hop`: the other replicas the call's
         `verify` level has check each hop (check_policy.py MIRRORS_PER_LEVEL), which the chain should have."""
-        excluded = dict(exclude) if isinstance(exclude, Mapping) else dict.fromkeys(exclude, "")
-        left_out = {s.shard_id: why for s in shards if (why := self.left_out_because(s, excluded, now, load))}
-        if model_layers is not None:
-            left_out.update({s.shard_id: f"advertises {s.total_layers} layers; the model has {model_layers}"
-                             for s in shards if s.total_layers != model_layers and s.shard_id not in left_out})
+        left_out = self.left_out(shards, exclude, now=now, load=load, model_layers=model_layers)
         usable = [s for s in shards if s.shard_id not in left_out]
         same_weights = [s for s in usable if s.weights_sha256 == weights_sha256]
         mismatched = [s for s in usable if s.weights_sha256 != weights_sha256]
@@ -269,6 +265,26 @@ class ShardRouter:
                    scheme=scheme if named else None,
                    left_out=[(s, left_out[s.shard_id]) for s in shards if s.shard_id in left_out
                              and s.weights_sha256 == weights_sha256 and (scheme is None or s.quantization == scheme)])
+
+    def usable(self, shards: list[ShardCandidate], weights_sha256: str, *,
+               exclude: Mapping[str, str] | Iterable[str] = (), now: float, load: ShardLoad | None = None,
+               model_layers: int | None = None) -> list[ShardCandidate]:
+        """The shards of `weights_sha256` that `plan`, given the same arguments, may build a chain of (any scheme):
+        what else weighs chains (a kept prefix's, affinity.py) weighs them over, so a shard routing leaves out can
+        neither be a hop of such a chain nor count as a replica checking one."""
+        left_out = self.left_out(shards, exclude, now=now, load=load, model_layers=model_layers)
+        return [s for s in shards if s.shard_id not in left_out and s.weights_sha256 == weights_sha256]
+
+    def left_out(self, shards: list[ShardCandidate], exclude: Mapping[str, str] | Iterable[str], *, now: float,
+                 load: ShardLoad | None, model_layers: int | None) -> dict[str, str]:
+        """Why routing does not use each of `shards` it leaves out now (`left_out_because`, and an advertised layer
+        count other than `model_layers`, the model's as the orchestrator loaded it), by shard id."""
+        excluded = dict(exclude) if isinstance(exclude, Mapping) else dict.fromkeys(exclude, "")
+        left_out = {s.shard_id: why for s in shards if (why := self.left_out_because(s, excluded, now, load))}
+        if model_layers is not None:
+            left_out.update({s.shard_id: f"advertises {s.total_layers} layers; the model has {model_layers}"
+                             for s in shards if s.total_layers != model_layers and s.shard_id not in left_out})
+        return left_out
 
     def left_out_because(self, shard: ShardCandidate, excluded: Mapping[str, str], now: float,
                          load: ShardLoad | None) -> str | None:
