@@ -296,6 +296,13 @@ async def close_quietly(nc: NatsClient, timeout_s: float = _nats_defaults.close_
             await nc.close()
 
 
+async def connected_keeping_cancellation(connecting: Awaitable[NatsClient], close_timeout_s: float) -> NatsClient:
+    """The connection `connecting` (connect_nats) makes; CancelledError instead, that connection closed, when this
+    task was cancelled meanwhile: nats-py's connect waits with asyncio.wait_for, which on Python 3.11 drops a
+    cancellation landing in the turn it connects, and a caller raising it bare would leave the connection open."""
+    return await keeping_cancellation(connecting, release=lambda nc: close_quietly(nc, close_timeout_s))
+
+
 @contextlib.asynccontextmanager
 async def steward_connection(nats: NatsSettings, system_key: Path) -> AsyncIterator[NatsClient]:
     """A connection to `nats.url` as the community's steward (`system_key`: the system member's key), closed on

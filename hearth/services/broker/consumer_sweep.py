@@ -27,7 +27,8 @@ from pathlib import Path
 from hearth.events.cancellation import keeping_cancellation
 from hearth.events.signing import RosterFile
 from hearth.events.streams import ALL_STREAMS, consumer_inactive_limit_s, weights_consumer_inactive_limit_s
-from hearth.services.broker.connection import close_quietly, connect_nats, connection_identity
+from hearth.services.broker.connection import (close_quietly, connect_nats, connected_keeping_cancellation,
+                                               connection_identity)
 from hearth.services.broker.permissions import (
     JS_API,
     WEIGHTS_STREAM,
@@ -273,8 +274,10 @@ class ConsumerSweeper:
                         log.info("consumer sweep: the steward's key was rotated; logging in with the new one")
                         await close_quietly(connection, self.settings.close_timeout_s)
                     if connection is None or connection.is_closed:
-                        connection = await connect_nats(self.settings.url, name="hearth consumer sweep",
-                                                        settings=self.settings)
+                        # A stop landing as it connects is kept, and the connection it made closed.
+                        connection = await connected_keeping_cancellation(
+                            connect_nats(self.settings.url, name="hearth consumer sweep", settings=self.settings),
+                            self.settings.close_timeout_s)
                         await connection.subscribe(API_AUDIT_ADVISORIES, cb=api_audited)
                         await keeping_cancellation(connection.flush(api_timeout_s))
                         self.watching.set()
