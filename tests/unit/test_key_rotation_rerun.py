@@ -16,14 +16,7 @@ from hearth.trust.keys import MemberKey
 from hearth.trust.pending_rotation import keep_pending_seed, pending_seed_path
 from hearth.trust.roster import Roster
 from tests.unit.test_community_removal import FakeBroker, steward_publishes_to
-
-
-@pytest.fixture
-def community(tmp_path) -> Community:
-    community = Community.init(tmp_path / "c", "elm-street")
-    community.add("attic", "shard")
-    community.add("alice", "client")
-    return community
+from tests.unit.test_member_key_rotation import community  # noqa: F401 (a fixture: attic, a shard, and alice)
 
 
 @pytest.fixture
