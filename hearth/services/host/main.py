@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 from nats.aio.client import Client as NatsClient
 
-from hearth.events.cancellation import keeping_cancellation
 from hearth.events.models import ShardWithdrawn
 from hearth.events.publish import publish_event
 from hearth.events.streams import SHARDS_STREAM
@@ -360,8 +359,8 @@ async def heartbeats_while_moving(nc: NatsClient, settings: HearthSettings, node
     js, signing_key = nc.jetstream(), event_signing_key(settings.nats)
     while not landed.is_set():
         beat = move.served.heartbeat(node, move.left)
-        try:  # a loop ended by cancellation: nats-py may drop one that lands as its ack does (events.cancellation)
-            await keeping_cancellation(publish_event(js, beat, signing_key=signing_key))
+        try:  # publish_event keeps a cancellation that lands as its ack does (events.cancellation)
+            await publish_event(js, beat, signing_key=signing_key)
         except Exception as error:  # the broker may be restarting; the next beat tries again
             log.warning("host %s: heartbeat of %s while moving not published: %s", node, move.left, error)
         await event_within(landed, settings.shard.heartbeat_interval_s)
