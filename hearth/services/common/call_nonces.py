@@ -46,8 +46,8 @@ CALL_NONCES_STREAM = f"KV_{CALL_NONCES_BUCKET}"
 CALL_NONCES_SUBJECTS = f"$KV.{CALL_NONCES_BUCKET}.>"
 # The longest any record is kept, whatever window an orchestrator asks for (by default it asks 90 s).
 call_nonces_max_age_s = 3600.0
-# The bucket's size on disk: about a million records. When full it refuses new ones (calls are then refused,
-# `overloaded`) rather than forgetting records before their time, which would let replays through.
+# The bucket's size on disk: about a million records. When full it refuses new ones rather than forgetting records
+# before their time, which would let replays through (the calls are admitted all the same, as in an outage: above).
 call_nonces_max_bytes = 256 * MiB
 # A record's value: the name of the orchestrator that admitted the call (for whoever reads the bucket). The broker
 # counts a message's headers (the expected sequence, the TTL) in its size too: the stream's limit leaves them room.
