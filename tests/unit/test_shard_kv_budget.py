@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import torch
+from gguf import GGMLQuantizationType
 
 from hearth.inference.memory import full_context_session_kv_bytes, megabytes
 from hearth.services.common.config import HearthSettings, load_settings
@@ -14,6 +15,7 @@ from hearth.services.common.config_processes import ShardSettings
 from hearth.services.host.main import with_memory_budget
 from hearth.services.shard.main import load_shard
 
+from .gguf_files import own_cache, tiny_gguf  # noqa: F401  (fixtures)
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 
 TINY_CONTEXT = 256  # inference_tiny_models' max_position_embeddings
@@ -87,3 +89,9 @@ def test_the_full_context_session_is_read_from_the_config(tiny_model_dir):
     path = tiny_model_dir("llama")
     # 2 KV heads of 16 dimensions (64 hidden / 4 heads), keys and values, 2 bytes each in bf16.
     assert full_context_session_kv_bytes(path, 1, 3, torch.bfloat16) == TINY_CONTEXT * 2 * 2 * 16 * 2 * 3
+
+
+def test_a_gguf_files_full_context_session_is_read_from_its_metadata(tiny_gguf):
+    gguf_path, reference_folder = tiny_gguf("llama", GGMLQuantizationType.Q8_0)
+    from_metadata = full_context_session_kv_bytes(gguf_path, 0, 1, torch.float32)
+    assert from_metadata and from_metadata == full_context_session_kv_bytes(reference_folder, 0, 1, torch.float32)
