@@ -146,6 +146,10 @@ class EventVerifier:
             member = self._lookup(public_key, recheck_now=True)  # perhaps a member added since the last look
         return member
 
+    def current_roster(self) -> Roster:
+        """The roster this verifier checks by, as it stands now."""
+        return self._current_roster()
+
     def _current_roster(self, *, recheck_now: bool = False) -> Roster:
         return self._fixed_roster or self._roster_file.current(recheck_now=recheck_now)  # type: ignore[union-attr]
 

@@ -23,7 +23,7 @@ from .checkpoint_files import (
 from .errors import CheckpointError
 from .hub_ids import HUB_ENDPOINT_ENV, is_hub_gguf_id
 from .ollama_models import is_ollama_model, resolve_ollama_model
-from .gguf_checkpoint import GGUFCheckpoint, default_read_device, gguf_config_dict, single_gguf_in
+from .gguf_checkpoint import GGUFCheckpoint, default_read_device, gguf_config, gguf_config_dict, single_gguf_in
 from hearth.formats.gguf_support import GGUF_SUFFIX, is_gguf_file
 
 HUB_DOWNLOAD_WORKERS = 4
@@ -197,6 +197,13 @@ def read_config_dict(path: Path) -> dict:
     config = json.loads(config_file.read_text())
     check_full_precision(config, path.name)
     return config
+
+
+def read_config(path: Path):
+    """The transformers config object of a resolved checkpoint: its config.json, or a GGUF file's metadata."""
+    from transformers import AutoConfig
+
+    return gguf_config(path) if is_gguf_file(path) else AutoConfig.from_pretrained(path)
 
 
 def default_model_id(path: Path) -> str:

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from .architectures import ArchitectureAdapter, adapter_for
 from .devices import resolve_device
-from .checkpoint import ModelInfo, SafetensorsCheckpoint, default_model_id, open_checkpoint, read_config_dict, \
-    resolve_dtype, resolve_model_path
+from .checkpoint import ModelInfo, SafetensorsCheckpoint, default_model_id, open_checkpoint, read_config, \
+    read_config_dict, resolve_dtype, resolve_model_path
 from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
 from .errors import CheckpointError, first_line
-from .gguf_checkpoint import GGUFCheckpoint, gguf_config, load_gguf_tokenizer
+from .gguf_checkpoint import GGUFCheckpoint, load_gguf_tokenizer
 from hearth.formats.gguf_support import is_gguf_file
 from .gguf_tensor_table import check_layer_block_types
 from .ollama_models import served_model_id
@@ -115,7 +115,7 @@ def _open_skeleton(
     raw_config = read_config_dict(path)
     # Refuse unsupported families from config.json alone: before transformers parses it, before any weight.
     adapter = adapter_for(_RawConfigView(raw_config))
-    config = gguf_config(path) if is_gguf_file(path) else AutoConfig.from_pretrained(path)
+    config = read_config(path)
     compute_device = resolve_device(device if device is not None else "cpu")
     compute_dtype = resolve_dtype(dtype, getattr(config, "dtype", None))
     skeleton_kwargs = {"dtype": compute_dtype}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
+from .checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint, read_config
 from .checkpoint_files import opened_safetensors
 from .devices import MiB
 from .gguf_checkpoint import default_read_device
@@ -23,6 +23,7 @@ from .gguf_tensor_table import gguf_layer_tensors, layer_tensor_blocks
 from hearth.formats.gguf_support import FLOAT_GGUF_TYPE_NAMES, SUPPORTED_GGUF_TYPE_NAMES, is_gguf_file
 from .gguf_int4 import STORED_INT4_GROUP_SIZES
 from .quantization import QuantizationScheme, held_as_stored, parse_quantization
+from .sessions import kv_bytes_per_token_per_layer
 from .weight_codes import int4_held_bytes, int8_held_bytes
 
 _layer_name_re = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -113,6 +114,19 @@ def quantized_weight_bytes(out_features: int, in_features: int, scheme: Quantiza
 def range_weight_bytes(per_layer: dict[int, int], lo: int, hi: int) -> int:
     """Weight bytes of layers lo..hi (inclusive)."""
     return sum(per_layer.get(index, 0) for index in range(lo, hi + 1))
+
+
+def full_context_session_kv_bytes(model_path: Path, lo: int, hi: int, dtype: torch.dtype) -> int | None:
+    """The KV-cache bytes one session holds in layers lo..hi at the model's whole context (keys and values of every
+    KV head in `dtype` at every position), from the checkpoint's config alone; None when it names no context. No
+    session's cache grows past it: a step beyond the context is refused (sliding-window layers hold less, a static
+    cache no more than its positions, at most the context)."""
+    config = read_config(model_path)
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if not context:
+        return None
+    # The runner's own figure (runner.py), from the same config.
+    return context * kv_bytes_per_token_per_layer(config, dtype) * (hi - lo + 1)
 
 
 def megabytes(num_bytes: float) -> float:

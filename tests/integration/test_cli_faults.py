@@ -321,7 +321,7 @@ def test_a_stop_ends_hearth_demo_and_everything_it_started(state, started):
         ("0-5", {"HEARTH_SHARD__SERVE_SHARDS": "false"}, "serve_shards = false"),
         # The old place of [shard] max_memory_mb, still accepted.
         ("0-5", {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__SHARD_MAX_MEMORY_MB": "1"},
-         "kv_cache_budget_mb), more than [shard] max_memory_mb = 1.0 MB"),
+         "MB KV reserve), more than [shard] max_memory_mb = 1.0 MB"),
         ("0-9", {}, "layer range 0-9 is not inside 0-5"),
     ],
     ids=["serve-shards-false", "over-memory-limit", "range-outside-model"],

@@ -135,3 +135,68 @@ def test_calls_and_opens_follow_the_stewards_rotation_in_the_log_with_the_old_ro
 
         assert asyncio.run(as_member("attic", (SHARDS_STREAM,), shard_host)) == ("unknown_signer", SYSTEM_MEMBER)
         assert Roster.load(household_roster).by_name(SYSTEM_MEMBER).public_key == old_key.public_key
+
+
+def test_a_shard_host_started_after_the_rotation_left_the_stream_trusts_the_key_it_kept(tmp_path):
+    """A shard host learns the steward's rotation from the shards stream and keeps it in its state folder; the
+    rotation then leaves the stream (as it does after 7 days), and a host started afresh with the roster from before
+    still counts the new steward key, not the old one. Before, nothing was kept: it went back to the roster's key."""
+    from hearth.services.broker.connection import connect_nats
+    from hearth.services.common.call_signing import CallRefused, signed_call_headers
+    from hearth.services.common.config import HearthSettings, NatsSettings
+    from hearth.services.common.event_trust import open_verifier, steward_keys_from_the_log
+    from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS, SHARDS_STREAM
+
+    with community_on_a_broker(tmp_path, (("attic", "shard"),)) as (community, server):
+        household_roster = tmp_path / "household" / "roster.json"
+        household_roster.parent.mkdir()
+        shutil.copy(community.roster_path, household_roster)
+        old_key = community.system_key()
+        state = tmp_path / "attic-state"
+        settings = HearthSettings(nats=NatsSettings(url=server.url, roster_file=household_roster,
+                                                    creds_file=community.directory / "keys" / "attic.nk"))
+
+        async def shard_host(state_folder, learn_rotation: bool = False):
+            connection = await connect_nats(server.url, name="test-attic", settings=settings.nats)
+            follower = steward_keys_from_the_log(settings, connection.jetstream(), (SHARDS_STREAM,), state_folder)
+            try:
+                await follower.start()
+                if learn_rotation:
+                    async with asyncio.timeout(10):
+                        while not (state_folder / "steward-keys.json").is_file():
+                            await asyncio.sleep(0.05)
+                verifier = open_verifier(settings, follower)
+                return [verifier.check("hearth.ctl.attic.x", "", b"{}",
+                                       signed_call_headers(key, "hearth.ctl.attic.x", "", b"{}"))
+                        for key in (old_key, community.system_key())]
+            finally:
+                await follower.stop()
+                await connection.close()
+
+        def signers(checked) -> list[str]:
+            return [check.reason if isinstance(check, CallRefused) else check.name for check in checked]
+
+        rotated = steward("rotate-key", SYSTEM_MEMBER, "--dir", str(community.directory), "--nats", server.url)
+        assert rotated.exit_code == 0, rotated.output
+        server.reload(render_authorization(community.roster()))
+        assert signers(asyncio.run(shard_host(state, learn_rotation=True))) == ["unknown_signer", SYSTEM_MEMBER]
+
+        async def age_out(js):
+            await js.purge_stream(SHARDS_STREAM, subject=MEMBER_REMOVAL_SUBJECTS[SHARDS_STREAM])
+
+        asyncio.run(as_steward(community, server.url, age_out))
+        # Without the kept file the roster's (old) key is the steward's again: the defect this file mends.
+        assert signers(asyncio.run(shard_host(None))) == [SYSTEM_MEMBER, "unknown_signer"]
+        assert signers(asyncio.run(shard_host(state))) == ["unknown_signer", SYSTEM_MEMBER]
+
+
+async def as_steward(community, url: str, work):
+    from hearth.services.broker.connection import connect_nats
+    from hearth.services.common.config import NatsSettings
+
+    settings = NatsSettings(url=url, creds_file=community.system_key_path)
+    connection = await connect_nats(url, name="test-steward", settings=settings)
+    try:
+        return await work(connection.jetstream())
+    finally:
+        await connection.close()

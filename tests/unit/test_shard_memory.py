@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hearth.inference import load_layer_range
-from tests.runner_limits import RUNNER_KV_LIMITS, SESSION_TTL_S
+from tests.runner_limits import SESSION_TTL_S
 from hearth.services.common.config import load_settings
 from hearth.services.shard.main import ShardRefused, load_shard, run_shard, static_cache_refusal, within_kv_budget
 from hearth.services.shard.memory_plan import estimated_need, measured_need
@@ -34,8 +34,9 @@ def test_the_estimate_from_the_headers_is_what_the_loaded_range_holds(tiny_model
     path = tiny_model_dir("llama")
     shard = settings_with(tmp_path, "kv_cache_budget_mb = 2\n").shard
     estimate = estimated_need(path, 1, 3, dtype, shard)
-    runner = load_layer_range(path, 1, 3, dtype=dtype, **RUNNER_KV_LIMITS)
-    measured = measured_need(runner, None, shard)
+    runner = load_layer_range(path, 1, 3, dtype=dtype, cache_budget_bytes=estimate.kv_reserve_bytes,
+                              session_ttl_s=SESSION_TTL_S)
+    measured = measured_need(runner, None)
     assert estimate == measured
     assert measured.weight_bytes == runner.weight_bytes and measured.kv_reserve_bytes == 2 * 2**20
     assert measured.required_mb == pytest.approx(runner.weight_bytes / 2**20 + 2, abs=1e-3)

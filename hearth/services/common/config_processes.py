@@ -63,7 +63,8 @@ class OrchestratorSettings(ConfigSection):
         default=None,
         description="where the orchestrator keeps each audit event until it is stored, to write it after a kill "
                     "(a SQLite file per process, locked; default $XDG_STATE_HOME/hearth/event-outbox, else "
-                    "~/.local/state/hearth/event-outbox)")
+                    "~/.local/state/hearth/event-outbox), and the steward's key rotations it learned "
+                    "(steward-keys.json), past the streams' retention")
     broker_wait_s: float = Field(
         default=30.0, gt=0,
         description="a call whose broker connection dropped waits this long for it (and its hops) to come back; a "
@@ -206,7 +207,9 @@ class ShardSettings(ConfigSection):
         default=1024, gt=0, allow_inf_nan=False,
         description="KV caches of one shard (and of an orchestrator's local model) together stay within this: a new "
                     "session that would exceed it evicts the least recently used idle one (its next step is "
-                    "answered `session_evicted`)")
+                    "answered `session_evicted`). Left unset, a shard takes no more than max_concurrent_streams "
+                    "sessions at its model's whole context need in its layers (a small range of a small model needs "
+                    "far less than the default), and advertises what it took")
     prefix_cache_idle_s: float = Field(
         default=600, ge=0, le=max_event_duration_s,
         description="when a call ends well, its hops keep their KV for the whole blocks of its tokens (within "
@@ -256,7 +259,8 @@ class ShardSettings(ConfigSection):
         default=None,
         description="where a shard host keeps each event it says once (its withdrawal) until it is stored, to write "
                     "it once the broker takes it, after a kill too (a SQLite file per process, locked; default "
-                    "$XDG_STATE_HOME/hearth/shard-event-outbox, else ~/.local/state/hearth/shard-event-outbox)")
+                    "$XDG_STATE_HOME/hearth/shard-event-outbox, else ~/.local/state/hearth/shard-event-outbox), and "
+                    "the steward's key rotations it learned (steward-keys.json), past the shards stream's retention")
     stop_drain_timeout_s: float = Field(
         default=10.0, ge=0, le=max_event_duration_s,
         description="stopped (SIGTERM, Ctrl-C), a shard (`hearth shard`, `hearth host`) withdraws at once (no new "
@@ -312,6 +316,16 @@ class ShardSettings(ConfigSection):
     def kv_cache_budget_bytes(self) -> int:
         """kv_cache_budget_mb in bytes, as a runner takes it (inference.load_layer_range's cache_budget_bytes)."""
         return int(self.kv_cache_budget_mb * MiB)
+
+    def shard_kv_budget_bytes(self, full_context_session_bytes: int | None) -> int:
+        """The KV budget of a shard whose sessions each hold at most `full_context_session_bytes` in its layers (at
+        the model's whole context; None: unknown): kv_cache_budget_mb where it was set (file or environment),
+        else no more than max_concurrent_streams such sessions, which are all the caches it could ever hold for
+        live sessions (kept prefixes give way to them): a larger default reserve only overstates its memory need
+        (memory_required_mb, max_memory_mb's check) and its advertised budget."""
+        if "kv_cache_budget_mb" in self.model_fields_set or full_context_session_bytes is None:
+            return self.kv_cache_budget_bytes
+        return min(self.kv_cache_budget_bytes, self.max_concurrent_streams * full_context_session_bytes)
 
 
 def serve_shards_refused(shard: ShardSettings) -> bool:

@@ -15,6 +15,7 @@ from hearth.events.streams import StreamSetup
 from hearth.services.common.call_signing import CallVerifier
 from hearth.services.common.config import HearthSettings, NatsSettings
 from hearth.services.common.identity import IdentityError, default_roster_for, load_identity
+from hearth.services.common.kept_steward_keys import STEWARD_KEYS_FILE
 from hearth.services.common.logged_steward_keys import StewardKeysFromTheLog
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import CALLER_ROLES
@@ -52,10 +53,11 @@ def community_roster_file(nats: NatsSettings) -> Path | None:
     return roster_file
 
 
-def steward_keys_from_the_log(settings: HearthSettings, js: Any,
-                              streams: Sequence[str]) -> StewardKeysFromTheLog | None:
+def steward_keys_from_the_log(settings: HearthSettings, js: Any, streams: Sequence[str],
+                              state_folder: Path | None = None) -> StewardKeysFromTheLog | None:
     """What follows the steward keys `streams`' logs name, for the calls or opens this process checks (started and
-    stopped by it); None on an open mesh, or when the roster does not read (then opens are not told apart at all)."""
+    stopped by it), keeping what it learns in `state_folder` (its STEWARD_KEYS_FILE; None: nowhere); None on an open
+    mesh, or when the roster does not read (then opens are not told apart at all)."""
     roster_file = community_roster_file(settings.nats)
     if roster_file is None:
         return None
@@ -63,7 +65,8 @@ def steward_keys_from_the_log(settings: HearthSettings, js: Any,
         verifier = EventVerifier.from_roster_file(roster_file, max_clock_skew_s=settings.events.max_clock_skew_s)
     except Exception:  # said by open_verifier; an orchestrator refuses to start on it in its projector's verifier
         return None
-    return StewardKeysFromTheLog(js, verifier, streams)
+    kept_file = state_folder / STEWARD_KEYS_FILE if state_folder is not None else None
+    return StewardKeysFromTheLog(js, verifier, streams, kept_file)
 
 
 def call_verifier(settings: HearthSettings, steward_keys: StewardKeysFromTheLog | None = None) -> CallVerifier | None:

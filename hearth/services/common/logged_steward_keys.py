@@ -1,7 +1,9 @@
 """The steward keys the event streams' logs name, for a process with no read model that checks signed calls or opens
 (an orchestrator's calls, a shard host's opens): it reads each stream's removals subject from its first message and
 follows it, judging each removal and rotation as a projection does (hearth/events/logged_keys.py), so the steward's
-rotation of its own key retires the old key for calls and opens, and names the new one, with no new roster copy."""
+rotation of its own key retires the old key for calls and opens, and names the new one, with no new roster copy.
+What it learns it keeps in a file in the process's state folder, read first at its next start
+(hearth/services/common/kept_steward_keys.py): a rotation that has aged out of the streams still counts."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hearth.events.consume import StoredEvent, read_stream
@@ -16,6 +19,9 @@ from hearth.events.logged_keys import LoggedKeys
 from hearth.events.models import MemberRemoved
 from hearth.events.signing import EventVerifier
 from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS
+from hearth.services.common.kept_steward_keys import (
+    KeptRotation, load_kept_steward_keys, write_kept_rotations,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,22 +34,34 @@ retry_initial_s, retry_max_s = 0.5, 10.0
 
 class StewardKeysFromTheLog:
     """Reads and follows the removals subject of each of `streams` (those a member of this role may read), from its
-    first message: named() is what CallVerifier's `logged_steward_keys` asks."""
+    first message: named() is what CallVerifier's `logged_steward_keys` asks. With `kept_file`, the rotations it
+    learns are kept there, and those kept before count from its start (None: it keeps nothing)."""
 
-    def __init__(self, js: Any, verifier: EventVerifier, streams: Sequence[str]) -> None:
+    def __init__(self, js: Any, verifier: EventVerifier, streams: Sequence[str],
+                 kept_file: Path | None = None) -> None:
         self._js = js
         self._verifier = verifier
         self.streams = [stream for stream in streams if stream in MEMBER_REMOVAL_SUBJECTS]
         self._logged = LoggedKeys()
+        self.kept_file = kept_file
+        # Read apart from the streams' own: each stream's rotations are judged at their place in its log.
+        self._kept_keys = LoggedKeys()
+        self._kept: dict[tuple[str, int], KeptRotation] = {}
         self._caught_up = {stream: asyncio.Event() for stream in self.streams}
         self._tasks: list[asyncio.Task] = []
 
     def named(self) -> list[tuple[str, str]]:
-        """Each steward key the logs named so far, with the one it succeeded (every stream's)."""
-        return [(key, succeeded) for (_, key), succeeded in self._logged.steward_keys.items()]
+        """Each steward key the logs named so far, or the kept file did, with the one it succeeded (every stream's)."""
+        named = dict(self._kept_keys.steward_keys)
+        named.update(self._logged.steward_keys)  # a stream's own log, where it still holds the rotation
+        return [(key, succeeded) for (_, key), succeeded in named.items()]
 
     async def start(self, catch_up_timeout_s: float = steward_keys_catch_up_s) -> None:
-        """Start following; return once every stream was read to its end, or after `catch_up_timeout_s` (said)."""
+        """Start following, the kept file read first; return once every stream was read to its end, or after
+        `catch_up_timeout_s` (said)."""
+        if self.kept_file is not None:
+            self._kept_keys, kept = await asyncio.to_thread(load_kept_steward_keys, self.kept_file, self._verifier)
+            self._kept = {(rotation.stream, rotation.seq): rotation for rotation in kept}
         self._tasks = [asyncio.create_task(self._follow(stream), name=f"steward-keys-{stream}")
                        for stream in self.streams]
         with contextlib.suppress(TimeoutError):
@@ -71,7 +89,8 @@ class StewardKeysFromTheLog:
                 async with contextlib.aclosing(messages) as reader:
                     async for message in reader:
                         next_seq = message.seq + 1
-                        self._take_in(message)
+                        if self._take_in(message):
+                            await self._keep(message)
                         retry_s = retry_initial_s
                 if not follow:
                     self._caught_up[stream].set()
@@ -84,8 +103,24 @@ class StewardKeysFromTheLog:
             await asyncio.sleep(retry_s)
             retry_s = min(retry_s * 2, retry_max_s)
 
-    def _take_in(self, message: Any) -> None:
+    def _take_in(self, message: Any) -> bool:
+        """Judge and record a removal read from a stream; True when it named a steward key there."""
         if not isinstance(message, StoredEvent) or not isinstance(message.event, MemberRemoved):
+            return False
+        if self._logged.rejection(self._verifier, message) is not None:
+            return False
+        named_before = len(self._logged.steward_keys)
+        self._logged.record(message.event)
+        return len(self._logged.steward_keys) > named_before
+
+    async def _keep(self, message: StoredEvent) -> None:
+        """Add a rotation just learned to the kept file (a failed write is said, never fatal: the streams still
+        hold it)."""
+        if self.kept_file is None or (message.stream, message.seq) in self._kept:
             return
-        if self._logged.rejection(self._verifier, message) is None:
-            self._logged.record(message.event)
+        self._kept[(message.stream, message.seq)] = KeptRotation.of(message)
+        try:
+            await asyncio.to_thread(write_kept_rotations, self.kept_file, list(self._kept.values()))
+        except OSError as error:
+            log.warning("steward keys: the rotation of %s's steward key could not be kept in %s (%s); it counts "
+                        "while the streams hold it", message.stream, self.kept_file, error)

@@ -85,10 +85,14 @@ def with_memory_budget(settings: HearthSettings, memory_budget_mb: float | None)
         return settings
     shard = settings.shard
     update: dict[str, float] = {"max_memory_mb": memory_budget_mb}
-    if "kv_cache_budget_mb" not in shard.model_fields_set:
+    left_default = "kv_cache_budget_mb" not in shard.model_fields_set
+    if left_default:
         update["kv_cache_budget_mb"] = min(shard.kv_cache_budget_mb,
                                            DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE * memory_budget_mb)
-    return settings.model_copy(update={"shard": shard.model_copy(update=update)})
+    capped = shard.model_copy(update=update)
+    if left_default:  # still a default, not the operator's: the range's shard may take less (shard_kv_budget_bytes)
+        capped.model_fields_set.discard("kv_cache_budget_mb")
+    return settings.model_copy(update={"shard": capped})
 
 
 async def planned_budget_bytes(shard: ShardSettings, device: torch.device, node: str) -> int:

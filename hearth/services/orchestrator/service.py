@@ -98,8 +98,9 @@ class Orchestrator(CallServing):
                                   signing_key=event_signing_key(settings.nats), unsendable=key_refused_event(nc))
         self.outbox_dir = outbox_dir  # its events kept there until stored, across a kill; None: in memory only
         # Calls signed by a roster member, each nonce recorded mesh-wide, on a community mesh; None on an open one.
-        # The steward's key as the logs rotate it counts for calls too, with a roster that does not name it yet.
-        self.steward_keys = steward_keys_from_the_log(settings, self.js, ALL_STREAMS)
+        # The steward's key as the logs rotate it counts for calls too, with a roster that does not name it yet (kept
+        # beside its outbox past the streams' retention).
+        self.steward_keys = steward_keys_from_the_log(settings, self.js, ALL_STREAMS, outbox_dir)
         self.call_verifier = call_verifier(settings, self.steward_keys)
         self.call_nonces = None if self.call_verifier is None else MeshNonces.for_calls_of(
             self.call_verifier, self.js, recorded_by=node_id)

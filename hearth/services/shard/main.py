@@ -19,6 +19,7 @@ from hearth.inference import InferenceError, LayerRangeRunner, load_layer_range,
 from hearth.inference.compute_thread import StepThreads, on_compute_thread
 from hearth.inference.ollama_models import served_model_id
 from hearth.inference.devices import describe_device, device_memory_allocated_bytes, resolve_placement
+from hearth.inference.memory import megabytes
 from hearth.inference.quantization import (
     QuantizationError, QuantizationScheme, check_device_supports, parse_quantization,
 )
@@ -30,7 +31,7 @@ from hearth.services.common.lifecycle import (
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
 from hearth.services.shard.faults import ShardFault
-from hearth.services.shard.memory_plan import estimated_need, kv_reserve_bytes, measured_need, refusal
+from hearth.services.shard.memory_plan import estimated_need, measured_need, refusal
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.kept_events import shard_outbox_dir
 from hearth.services.shard.metrics import ServingStats
@@ -132,13 +133,13 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
     try:
         runner = await unless_stopped(on_compute_thread(
             load_layer_range, model_path, lo, hi, dtype=compute_dtype, device=compute_device,
-            model_id=model_id or _default_model_id(model), cache_budget_bytes=kv_reserve_bytes(shard),
+            model_id=model_id or _default_model_id(model), cache_budget_bytes=estimate.kv_reserve_bytes,
             session_ttl_s=shard.eviction_idle_s, prefix_ttl_s=shard.prefix_cache_idle_s or None,
             static_cache_tokens=shard.cuda_graph_max_tokens if compute_device.type == "cuda" else None,
             cpu_linear_kernel=shard.cpu_linear_kernel, quantization=scheme), stop_event)
     except (InferenceError, ValueError, torch.OutOfMemoryError) as error:  # the device had less room than it said
         raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
-    need = measured_need(runner, allocated_before, shard)
+    need = measured_need(runner, allocated_before)
     if (reason := refusal(lo, hi, need, shard, measured=True) or static_cache_refusal(runner, shard)) is not None:
         runner.close()
         raise ShardRefused(reason)
@@ -150,7 +151,8 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
         shard_id=shard_id, model_id=info.model_id, node_id=node, weights_sha256=digest, layer_lo=lo,
         layer_hi=hi, total_layers=info.num_layers, dtype=info.dtype_name, memory_required_mb=need.required_mb,
         control_subject=shard_control_subject(node, shard_id), device_kind=described.kind,
-        device_name=described.name, kv_cache_budget_mb=shard.kv_cache_budget_mb, quantization=runner.quantization,
+        device_name=described.name, kv_cache_budget_mb=megabytes(runner.cache_budget_bytes),
+        quantization=runner.quantization,
     )
     return LoadedShard(runner, identity)
 

@@ -90,8 +90,9 @@ class ShardServer:
         # On a community broker the steward creates the streams; on an open one this host does.
         self.stream_setup = stream_setup(settings.nats)
         # On a community mesh, who signed each `open`: one orchestrator holds at most its share of the hops here.
-        # The steward's key as the shards stream's log rotates it counts for opens too (a shard reads that stream).
-        self.steward_keys = steward_keys_from_the_log(settings, self.js, (SHARDS_STREAM,))
+        # The steward's key as the shards stream's log rotates it counts for opens too (a shard reads that stream),
+        # kept beside its outbox past the stream's retention.
+        self.steward_keys = steward_keys_from_the_log(settings, self.js, (SHARDS_STREAM,), outbox_dir)
         self.open_verifier = open_verifier(settings, self.steward_keys)
         self._opens = OpensInFlight(settings.shard.max_concurrent_streams)  # each opener's, in progress at once
         self.limits = HopLimits(
