@@ -25,6 +25,8 @@ from hearth.services.gateway.keys import Caller
 from hearth.services.gateway.mesh import Gateway, MeshCall
 
 READ_TIMEOUT_S = 0.5
+# Long enough for a slow reader's window to open again (TCP acknowledges it in steps of about half its buffer).
+SLOW_READER_STALL_TIMEOUT_S = 1.5
 # How long a test waits, at most, for the server to close a stalled connection (well above the deadline).
 CLOSE_WAIT_S = 30
 
@@ -147,6 +149,42 @@ async def test_a_client_that_stops_reading_its_answer_is_dropped_and_frees_its_c
                 await asyncio.sleep(0.05)
             assert write_stall_timeouts_total._value.get() == dropped_before + 1, "the connection was not dropped"
             assert gateway.open_calls == 0, "the call still holds its slot"
+        finally:
+            client.close()
+
+
+async def test_a_client_that_reads_slowly_but_steadily_is_not_dropped_until_it_stops_reading():
+    # A large kernel buffer on the server's side: the kernel wakes a paused writer only once about half of it is
+    # free, which this reader takes far longer than the stall timeout to free; it is reading all the while.
+    gateway = EndlessAnswerGateway(SimpleNamespace(is_connected=True), HearthSettings(
+        gateway={"write_stall_timeout_s": SLOW_READER_STALL_TIMEOUT_S}), keyring=None)
+    servers: list = []
+    dropped_before = write_stall_timeouts_total._value.get()
+    async with serving(gateway, servers) as address:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.settimeout(CLOSE_WAIT_S)
+        client.connect(address)
+        try:
+            while not servers[0].server_state.connections:
+                await asyncio.sleep(0.01)
+            for connection in servers[0].server_state.connections:
+                connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            body = (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": %d, "n": %d, '
+                    b'"stream": true}' % (max_tokens_limit, max_choices))
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            reads = []
+            for _ in range(50):  # up to 512 bytes every 50 ms for 2.5 s: more than a stall timeout
+                reads.append(len(await asyncio.to_thread(client.recv, 512)))
+                await asyncio.sleep(0.05)
+            assert write_stall_timeouts_total._value.get() == dropped_before, "a reading client was dropped"
+            assert gateway.open_calls == 1 and all(reads), "the answer stopped coming"
+            # Once it stops reading it is dropped as any stalled client is.
+            deadline = asyncio.get_running_loop().time() + CLOSE_WAIT_S
+            while gateway.open_calls and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            assert write_stall_timeouts_total._value.get() == dropped_before + 1 and gateway.open_calls == 0
         finally:
             client.close()
 

@@ -9,7 +9,10 @@ request (line, headers and body) is in. An ASGI middleware could not do it: the 
 uvicorn has no write timeout either: a client that stops reading a streamed answer (its receive window full), or the
 answers to requests it pipelined, would hold its connection (and a call's slot) as long as it likes, so the
 transport's own flow control, pausing as soon as a byte waits, arms a second timer while it holds writing paused, and
-drops the connection when the client has not read for that long.
+drops the connection when the client has not read for that long. Paused is not unread: the kernel wakes a paused
+writer only once much of its send buffer is free, so a client that reads slowly but steadily keeps writing paused for
+long; when the timer ends, the bytes the client has not taken yet (ours and the kernel's unacknowledged ones) are
+counted, and fewer than when it was armed means the client is still reading: the timer runs again.
 At shutdown calls in flight have `[gateway] shutdown_grace_s` to finish; the gateway then ends those still open with
 an answer of its own (503 `gateway_stopping`, or that error event mid-stream: services.gateway.mesh.CallStops), and
 uvicorn cancels only what has not answered `stopped_calls_answer_s` later (its cancellation answers a plain-text 500,
@@ -20,6 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import struct
+import termios
 from collections.abc import Callable
 
 import h11
@@ -82,6 +88,8 @@ class RequestDeadlineProtocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._read_deadline = _Deadline(self.loop, self.read_timeout_s, self._read_deadline_passed)
         self._write_deadline = _Deadline(self.loop, self.write_stall_timeout_s, self._write_deadline_passed)
+        # The bytes the client had not taken when writing paused, or at the stall deadline's last run.
+        self._untaken_when_armed: int | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -97,13 +105,26 @@ class RequestDeadlineProtocol(H11Protocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
+        self._untaken_when_armed = self._bytes_not_taken()
         self._write_deadline.arm()
 
     def resume_writing(self) -> None:
         self._write_deadline.disarm()
         super().resume_writing()
 
+    def _bytes_not_taken(self) -> int | None:
+        """The answer bytes the client has not taken yet: those in our buffer and those the kernel holds
+        unacknowledged (None: the platform cannot tell the kernel's). While writing is paused nothing is added, so
+        fewer of them means the client read some."""
+        unacknowledged = _unacknowledged_bytes(self.transport)
+        return None if unacknowledged is None else self.transport.get_write_buffer_size() + unacknowledged
+
     def _write_deadline_passed(self) -> None:
+        untaken = self._bytes_not_taken()
+        if untaken is not None and self._untaken_when_armed is not None and untaken < self._untaken_when_armed:
+            self._untaken_when_armed = untaken  # a slow reader, not a stalled one: it has another timeout to read
+            self._write_deadline.arm()
+            return
         write_stall_timeouts_total.inc()
         # abort, not close: close would wait for the unread bytes to drain, which is what the client withholds.
         self.transport.abort()
@@ -128,6 +149,18 @@ class RequestDeadlineProtocol(H11Protocol):
             self.transport.write(_REQUEST_TIMEOUT_RESPONSE)
         # With the head in, the app is waiting for the body: closing makes its `receive` say the client left.
         self.transport.close()
+
+
+def _unacknowledged_bytes(transport: asyncio.Transport) -> int | None:
+    """Bytes in the kernel's send queue of `transport`'s socket not acknowledged by the client yet (Linux's
+    SIOCOUTQ, which is TIOCOUTQ); None where the platform cannot tell or the socket is gone."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(termios, "TIOCOUTQ"):
+        return None
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return None
 
 
 def request_deadline_protocol(read_timeout_s: float, write_stall_timeout_s: float) -> type[RequestDeadlineProtocol]:
