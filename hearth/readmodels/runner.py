@@ -36,9 +36,10 @@ from hearth.events.metrics import events_rejected_total
 from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
 from hearth.readmodels.applied_backfill import record_ids_applied_before
+from hearth.readmodels.batch_transaction import apply_in_one_transaction
 from hearth.readmodels.db import open_engine, storage_fault, upgrade_database
 from hearth.readmodels.positions import ConcurrentProjectionError, load_stream_identities, record_stream_identity
-from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
+from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, load_positions
 from hearth.readmodels.retention import RetentionPolicy, keep_pruning
 from hearth.readmodels.stream_identity import StreamIdentities, stream_state
 from hearth.readmodels.task_cancel import cancel_within
@@ -310,25 +311,14 @@ class Projector:
         return apply_rejecting_the_unapplicable(self._apply_transaction, batch, projection=self.projection.name)
 
     def _apply_transaction(self, batch: Sequence[Message], reject_as: RejectionReason | None) -> list[Message]:
-        rejections: list[Rejection] = []
-        with self.session_factory() as session, session.begin():
-            positions = load_positions(session, self.projection.name)
-            self.projection.apply_many(session, batch, rejections=rejections, reject_as=reject_as)
+        outcome = apply_in_one_transaction(self.session_factory, self.projection, batch, reject_as)
         # Counted only now that the transaction committed: a batch rolled back and applied again counts once.
-        for rejection in rejections:
+        for rejection in outcome.rejections:
             self.rejected_total[rejection.reason] = self.rejected_total.get(rejection.reason, 0) + 1
             events_rejected_total.labels(reason=rejection.reason).inc()
-        # The same rule apply_many follows, to tell which messages this transaction actually applied.
-        rejected = {(rejection.stream, rejection.seq) for rejection in rejections}
-        newly_applied = []
-        for message in batch:
-            if message.seq > positions.get(message.stream, 0):
-                newly_applied.append(message)
-                positions[message.stream] = message.seq
-                if isinstance(message, StoredEvent) and (message.stream, message.seq) not in rejected:
-                    event_type = message.event.type
-                    self.applied_by_type[event_type] = self.applied_by_type.get(event_type, 0) + 1
-        return newly_applied
+        for event_type in outcome.applied_types:
+            self.applied_by_type[event_type] = self.applied_by_type.get(event_type, 0) + 1
+        return outcome.newly_applied
 
     async def _record(self, batch: list[Message], newly_applied: list[Message]) -> None:
         for message in newly_applied:
