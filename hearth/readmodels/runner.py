@@ -13,7 +13,8 @@ applies each batch in a worker thread in ONE transaction (rows + positions). A f
 gone) starts again from the last sequence it handed over; an applier whose transaction fails reloads the positions
 from the database and restarts the followers from there, so nothing is lost or applied twice. A batch that fails on
 a message's content is applied message by message instead, and the one no handler can apply is recorded as rejected
-(readmodels.unapplicable). A stream deleted and created again is told by its creation time and reported
+(readmodels.unapplicable); a file SQLite finds damaged is no batch's: said in one line, nothing more is applied, and
+`found_unusable` set for the owner to end. A stream deleted and created again is told by its creation time and reported
 (readmodels.stream_identity, `replaced_streams`), for a rebuild. With a retention policy, a third task prunes
 history every `prune_interval_s` (readmodels.retention), in short transactions taken in turn with the applier's.
 """
@@ -37,7 +38,8 @@ from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionRea
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
 from hearth.readmodels.applied_backfill import record_ids_applied_before
 from hearth.readmodels.batch_transaction import apply_in_one_transaction
-from hearth.readmodels.db import open_engine, storage_fault, upgrade_database
+from hearth.readmodels.db import (ReadModelUnusable, damaged_file, open_engine, refusing_a_damaged_file, storage_fault,
+                                  upgrade_database)
 from hearth.readmodels.positions import ConcurrentProjectionError, load_stream_identities, record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, load_positions
 from hearth.readmodels.retention import RetentionPolicy, keep_pruning
@@ -120,6 +122,8 @@ class Projector:
         self._tasks: list[asyncio.Task] = []
         self._progress = asyncio.Condition()
         self._started = False
+        self.unusable: ReadModelUnusable | None = None  # the file found damaged (db.damaged_file): nothing more applied
+        self.found_unusable = asyncio.Event()
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
@@ -131,12 +135,13 @@ class Projector:
         self.engine = open_engine(self.db_path)
         self.session_factory = sessionmaker(self.engine, expire_on_commit=False)
         await self._stream_setup.ready(self._js, self.streams)
-        await self._load_positions()
-        for stream in self.streams:  # a stream created again is reported before any of its messages is read
-            await self._check_stream(stream)
-        # Before anything is applied: the ids of what a read model from before applied_events applied.
-        await record_ids_applied_before(self._js, self.session_factory, self.projection, {
-            stream: position for stream, position in self.positions.items() if stream not in self.replaced_streams})
+        with refusing_a_damaged_file(self.db_path):  # the migration read only the schema: damage elsewhere shows here
+            await self._load_positions()
+            for stream in self.streams:  # a stream created again is reported before any of its messages is read
+                await self._check_stream(stream)
+            # Before anything is applied: the ids of what a read model from before applied_events applied.
+            await record_ids_applied_before(self._js, self.session_factory, self.projection, {
+                stream: position for stream, position in self.positions.items() if stream not in self.replaced_streams})
         self._started = True
         for stream in self.streams:
             self._start_follower(stream)
@@ -148,6 +153,7 @@ class Projector:
             pruning = keep_pruning(self.session_factory, self.retention, self.projection.name, self._write_turn,
                                    self._count_pruned)
             self._tasks.append(asyncio.create_task(pruning, name="projector-prune"))
+            self._tasks[-1].add_done_callback(self._pruning_ended)
         log.info("projector %s on %s started at %s", self.projection.name, self.db_path, self.positions)
         return self
 
@@ -268,6 +274,9 @@ class Projector:
                 raise
             except Exception as error:
                 self.apply_failures_total += 1
+                if (damaged := damaged_file(self.db_path, error)) is not None:  # no retry can mend it
+                    self._give_up(damaged)
+                    return
                 if isinstance(error, ConcurrentProjectionError):  # no fault of the batch: a second writer of the file
                     log.warning("projector: %s (is another projector writing %s?); resuming from the stored positions "
                                 "in %.1f s", error, self.db_path, retry_s)
@@ -354,6 +363,16 @@ class Projector:
 
     def _count_pruned(self, rows: int) -> None:
         self.pruned_total += rows
+
+    def _pruning_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and (damaged := damaged_file(self.db_path, task.exception())) is not None:
+            self._give_up(damaged)
+
+    def _give_up(self, damaged: ReadModelUnusable) -> None:  # said once, in one line; nothing more is applied
+        if self.unusable is None:
+            log.error("projector: %s", damaged)
+            self.unusable = damaged
+            self.found_unusable.set()
 
     async def _lag_loop(self) -> None:
         while True:
