@@ -117,7 +117,8 @@ class OutboxFile:
             self._connection.execute(mark, (event.pipeline_id,))
             self._connection.execute("COMMIT")
         except BaseException:
-            self._connection.execute("ROLLBACK")
+            if self._connection.in_transaction:  # SQLite may have rolled it back itself (a full disk)
+                self._connection.execute("ROLLBACK")
             raise
         return row_id
 
