@@ -99,6 +99,12 @@ class EventOutbox:
         self._left_maybe_stored = True
 
     @property
+    def calls_left_open(self) -> list[str]:
+        """The calls (pipeline ids) a killed process of this outbox file began and never recorded the end of, for
+        this process to close (hearth/events/outbox_file.py); none without a file."""
+        return list(self.file.calls_left_open) if self.file is not None else []
+
+    @property
     def depth(self) -> int:
         """Events recorded and not yet stored (the one being written, and those a previous run left, included)."""
         return self._queue.qsize() + (self._writing is not None)

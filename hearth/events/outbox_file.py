@@ -8,6 +8,11 @@ a committed append is in the operating system's hands before `append` returns: i
 killed (SIGKILL, the OOM killer, a crash); a power cut of the machine may lose the last moments' appends (an fsync
 per event would put a disk flush on every call's path).
 
+It also keeps which calls the process began and has not recorded the end of (`open_calls`, marked in the transaction
+that appends the call's first and last events): those a killed process left, `calls_left_open`, are its successor's to
+close (hearth/services/orchestrator/service.py records `pipeline.aborted` for each), or they would read as under way
+in every read model for ever.
+
 One process per file: a process claims the first file of its owner's (`<owner>.sqlite`, `<owner>.2.sqlite`, ...)
 whose lock it can take (flock, dropped by the kernel however the process ends), so two processes of one member
 never share a file and a restarted one takes over the file its killed predecessor held (of N processes of one owner
@@ -37,6 +42,10 @@ max_files_per_owner = 16
 journal_size_limit_bytes = 4 * 1024 * 1024
 _SAFE_OWNER = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _SCHEMA = "CREATE TABLE IF NOT EXISTS events (row_id INTEGER PRIMARY KEY, event BLOB NOT NULL)"
+_OPEN_CALLS_SCHEMA = "CREATE TABLE IF NOT EXISTS open_calls (pipeline_id TEXT PRIMARY KEY)"
+# The events that give a call its row in the read models (the first of them opens it), and those that end it.
+_CALL_OPENING_TYPES = frozenset({"pipeline.constructed", "pipeline.fallback_local"})
+_CALL_ENDING_TYPES = frozenset({"pipeline.completed", "pipeline.aborted"})
 
 
 class OutboxFileUnavailable(RuntimeError):
@@ -61,6 +70,9 @@ class OutboxFile:
         try:
             # What the previous process left, oldest first, read when the file was claimed.
             self.left: list[LeftEvent] = self._read_left()
+            # The calls it began and never recorded the end of (it was killed under them), in the order begun.
+            self.calls_left_open: list[str] = [pipeline_id for (pipeline_id,) in connection.execute(
+                "SELECT pipeline_id FROM open_calls ORDER BY rowid")]
         except sqlite3.Error:
             connection.close()
             raise
@@ -90,9 +102,25 @@ class OutboxFile:
                                     "already hold its files")
 
     def append(self, event: EventEnvelope) -> int:
-        """Store `event`; its row id, for `remove`."""
-        # Autocommit: each statement is its own transaction, committed when it returns.
-        return self._connection.execute("INSERT INTO events (event) VALUES (?)", (encode_event(event),)).lastrowid
+        """Store `event`; its row id, for `remove`. A call's opening or ending event marks the call open or ended in
+        the same transaction, so a kill leaves both or neither."""
+        insert = "INSERT INTO events (event) VALUES (?)", (encode_event(event),)
+        if event.type in _CALL_OPENING_TYPES:
+            mark = "INSERT OR IGNORE INTO open_calls (pipeline_id) VALUES (?)"
+        elif event.type in _CALL_ENDING_TYPES:
+            mark = "DELETE FROM open_calls WHERE pipeline_id = ?"
+        else:  # autocommit: the statement is its own transaction, committed when it returns
+            return self._connection.execute(*insert).lastrowid
+        self._connection.execute("BEGIN")
+        try:
+            row_id = self._connection.execute(*insert).lastrowid
+            self._connection.execute(mark, (event.pipeline_id,))
+            self._connection.execute("COMMIT")
+        except BaseException:
+            if self._connection.in_transaction:  # SQLite may have rolled it back itself (a full disk)
+                self._connection.execute("ROLLBACK")
+            raise
+        return row_id
 
     def remove(self, row_id: int) -> None:
         self._connection.execute("DELETE FROM events WHERE row_id = ?", (row_id,))
@@ -150,6 +178,7 @@ def _connect(path: Path) -> sqlite3.Connection:
         connection.execute("PRAGMA synchronous=NORMAL")
         connection.execute(f"PRAGMA journal_size_limit={journal_size_limit_bytes}")
         connection.execute(_SCHEMA)
+        connection.execute(_OPEN_CALLS_SCHEMA)
         connection.execute("SELECT count(*) FROM events").fetchone()
     except sqlite3.Error:
         connection.close()

@@ -3,8 +3,10 @@ pages that pruning frees back to the disk (incremental auto-vacuum)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -49,8 +51,19 @@ def damaged_file(path: object, error: BaseException) -> ReadModelUnusable | None
     code = getattr(cause, "sqlite_errorcode", None)
     if code is None or code & 0xFF not in _unreadable_file_codes:  # extended codes keep the primary in the low byte
         return None
-    return ReadModelUnusable(f"{path}: not a read-model database SQLite can read ({cause}); move it aside and "
-                             "rebuild one (hearth-replay rebuild)")
+    return ReadModelUnusable(f"{path}: not a read-model database SQLite can read ({cause}); rebuild it from the event "
+                             f"log (hearth-replay rebuild --db {path} --force; move it aside first to keep it)")
+
+
+@contextlib.contextmanager
+def refusing_a_damaged_file(path: object) -> Iterator[None]:
+    """ReadModelUnusable (one line, naming `path`) in place of SQLite's error when it finds the file damaged."""
+    try:
+        yield
+    except (DatabaseError, sqlite3.DatabaseError) as error:
+        if (damaged := damaged_file(path, error)) is None:
+            raise
+        raise damaged from None
 
 
 def storage_fault(error: BaseException) -> str | None:

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM, seconds_per_day
 from hearth.readmodels.batch_rows import session_cursor
-from hearth.readmodels.db import release_free_pages
+from hearth.readmodels.db import damaged_file, release_free_pages
 from hearth.readmodels.positions import POSITIONS
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,9 @@ async def keep_pruning(session_factory: Callable[[], Session], policy: Retention
                 pass
         except asyncio.CancelledError:
             raise
-        except Exception:  # a busy or failing database: the next round tries again
+        except Exception as error:  # a busy or failing database: the next round tries again
+            if damaged_file(None, error) is not None:  # no round can mend a damaged file: its projector stops
+                raise
             log.exception("%s: pruning the read model failed; trying again in %.0f s", projection,
                           policy.prune_interval_s)
 

@@ -13,7 +13,8 @@ applies each batch in a worker thread in ONE transaction (rows + positions). A f
 gone) starts again from the last sequence it handed over; an applier whose transaction fails reloads the positions
 from the database and restarts the followers from there, so nothing is lost or applied twice. A batch that fails on
 a message's content is applied message by message instead, and the one no handler can apply is recorded as rejected
-(readmodels.unapplicable). A stream deleted and created again is told by its creation time and reported
+(readmodels.unapplicable); a file SQLite finds damaged is no batch's: said in one line, nothing more is applied, and
+`found_unusable` set for the owner to end. A stream deleted and created again is told by its creation time and reported
 (readmodels.stream_identity, `replaced_streams`), for a rebuild. With a retention policy, a third task prunes
 history every `prune_interval_s` (readmodels.retention), in short transactions taken in turn with the applier's.
 """
@@ -36,9 +37,11 @@ from hearth.events.metrics import events_rejected_total
 from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
 from hearth.readmodels.applied_backfill import record_ids_applied_before
-from hearth.readmodels.db import open_engine, storage_fault, upgrade_database
+from hearth.readmodels.batch_transaction import apply_in_one_transaction
+from hearth.readmodels.db import (ReadModelUnusable, damaged_file, open_engine, refusing_a_damaged_file, storage_fault,
+                                  upgrade_database)
 from hearth.readmodels.positions import ConcurrentProjectionError, load_stream_identities, record_stream_identity
-from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
+from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, load_positions
 from hearth.readmodels.retention import RetentionPolicy, keep_pruning
 from hearth.readmodels.stream_identity import StreamIdentities, stream_state
 from hearth.readmodels.task_cancel import cancel_within
@@ -119,6 +122,8 @@ class Projector:
         self._tasks: list[asyncio.Task] = []
         self._progress = asyncio.Condition()
         self._started = False
+        self.unusable: ReadModelUnusable | None = None  # the file found damaged (db.damaged_file): nothing more applied
+        self.found_unusable = asyncio.Event()
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
@@ -130,12 +135,13 @@ class Projector:
         self.engine = open_engine(self.db_path)
         self.session_factory = sessionmaker(self.engine, expire_on_commit=False)
         await self._stream_setup.ready(self._js, self.streams)
-        await self._load_positions()
-        for stream in self.streams:  # a stream created again is reported before any of its messages is read
-            await self._check_stream(stream)
-        # Before anything is applied: the ids of what a read model from before applied_events applied.
-        await record_ids_applied_before(self._js, self.session_factory, self.projection, {
-            stream: position for stream, position in self.positions.items() if stream not in self.replaced_streams})
+        with refusing_a_damaged_file(self.db_path):  # the migration read only the schema: damage elsewhere shows here
+            await self._load_positions()
+            for stream in self.streams:  # a stream created again is reported before any of its messages is read
+                await self._check_stream(stream)
+            # Before anything is applied: the ids of what a read model from before applied_events applied.
+            await record_ids_applied_before(self._js, self.session_factory, self.projection, {
+                stream: position for stream, position in self.positions.items() if stream not in self.replaced_streams})
         self._started = True
         for stream in self.streams:
             self._start_follower(stream)
@@ -147,6 +153,7 @@ class Projector:
             pruning = keep_pruning(self.session_factory, self.retention, self.projection.name, self._write_turn,
                                    self._count_pruned)
             self._tasks.append(asyncio.create_task(pruning, name="projector-prune"))
+            self._tasks[-1].add_done_callback(self._pruning_ended)
         log.info("projector %s on %s started at %s", self.projection.name, self.db_path, self.positions)
         return self
 
@@ -267,6 +274,9 @@ class Projector:
                 raise
             except Exception as error:
                 self.apply_failures_total += 1
+                if (damaged := damaged_file(self.db_path, error)) is not None:  # no retry can mend it
+                    self._give_up(damaged)
+                    return
                 if isinstance(error, ConcurrentProjectionError):  # no fault of the batch: a second writer of the file
                     log.warning("projector: %s (is another projector writing %s?); resuming from the stored positions "
                                 "in %.1f s", error, self.db_path, retry_s)
@@ -310,25 +320,14 @@ class Projector:
         return apply_rejecting_the_unapplicable(self._apply_transaction, batch, projection=self.projection.name)
 
     def _apply_transaction(self, batch: Sequence[Message], reject_as: RejectionReason | None) -> list[Message]:
-        rejections: list[Rejection] = []
-        with self.session_factory() as session, session.begin():
-            positions = load_positions(session, self.projection.name)
-            self.projection.apply_many(session, batch, rejections=rejections, reject_as=reject_as)
+        outcome = apply_in_one_transaction(self.session_factory, self.projection, batch, reject_as)
         # Counted only now that the transaction committed: a batch rolled back and applied again counts once.
-        for rejection in rejections:
+        for rejection in outcome.rejections:
             self.rejected_total[rejection.reason] = self.rejected_total.get(rejection.reason, 0) + 1
             events_rejected_total.labels(reason=rejection.reason).inc()
-        # The same rule apply_many follows, to tell which messages this transaction actually applied.
-        rejected = {(rejection.stream, rejection.seq) for rejection in rejections}
-        newly_applied = []
-        for message in batch:
-            if message.seq > positions.get(message.stream, 0):
-                newly_applied.append(message)
-                positions[message.stream] = message.seq
-                if isinstance(message, StoredEvent) and (message.stream, message.seq) not in rejected:
-                    event_type = message.event.type
-                    self.applied_by_type[event_type] = self.applied_by_type.get(event_type, 0) + 1
-        return newly_applied
+        for event_type in outcome.applied_types:
+            self.applied_by_type[event_type] = self.applied_by_type.get(event_type, 0) + 1
+        return outcome.newly_applied
 
     async def _record(self, batch: list[Message], newly_applied: list[Message]) -> None:
         for message in newly_applied:
@@ -364,6 +363,16 @@ class Projector:
 
     def _count_pruned(self, rows: int) -> None:
         self.pruned_total += rows
+
+    def _pruning_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and (damaged := damaged_file(self.db_path, task.exception())) is not None:
+            self._give_up(damaged)
+
+    def _give_up(self, damaged: ReadModelUnusable) -> None:  # said once, in one line; nothing more is applied
+        if self.unusable is None:
+            log.error("projector: %s", damaged)
+            self.unusable = damaged
+            self.found_unusable.set()
 
     async def _lag_loop(self) -> None:
         while True:

@@ -10,7 +10,9 @@ import typer
 
 from hearth.services.cli_options import EXIT_BAD_INPUT, EXIT_REFUSED
 
-db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_help=True, rich_markup_mode=None)
+db_app = typer.Typer(help="Manage a read-model SQLite database. One that is damaged (refused in one line) is made "
+                     "again from the event log: hearth-replay rebuild --db PATH --force.", no_args_is_help=True,
+                     rich_markup_mode=None)
 
 
 @db_app.command("upgrade")

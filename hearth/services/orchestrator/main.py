@@ -10,7 +10,7 @@ from hearth.events.outbox_file import OutboxFileUnavailable
 from hearth.readmodels.db import ReadModelUnusable
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.hearth_files import state_dir
-from hearth.services.common.lifecycle import CommandRefused, unless_stopped
+from hearth.services.common.lifecycle import CommandRefused, Stopped, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close
 from hearth.services.orchestrator.catalog import LocalModelUnusable, ModelCatalog, UnknownModel, is_hub_id, stored_name
@@ -114,7 +114,11 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
         if ready_file:
             with open(ready_file, "w") as handle:
                 handle.write(options.node_id)
-        await stop_event.wait()
+        try:  # until stopped, or until its read model is found damaged: routing on it would go stale, so one line
+            await unless_stopped(orchestrator.projector.found_unusable.wait(), stop_event)
+        except Stopped:
+            return
+        raise CommandRefused(f"--db {orchestrator.projector.unusable}")
     finally:
         if metrics_server is not None:
             metrics_server.stop()

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 from sqlalchemy.orm import sessionmaker
 
+from hearth.events.models import PipelineAborted
 from hearth.events.outbox import EventOutbox
 from hearth.events.streams import ALL_STREAMS
 from hearth.inference.compute_thread import StepThreads
@@ -59,7 +60,8 @@ from hearth.services.orchestrator.guards import RangeGuards
 from hearth.services.orchestrator.discovery import describe_models, is_advertised
 from hearth.services.orchestrator.head_batcher import HeadSteps
 from hearth.services.orchestrator.health import RecentFailures
-from hearth.services.orchestrator.metrics import calls_by_caller_total, calls_refused_total, observe_event
+from hearth.services.orchestrator.metrics import (ORCHESTRATOR_GONE, calls_by_caller_total, calls_refused_total,
+                                                  observe_event)
 from hearth.services.orchestrator.queue import FairQueue
 from hearth.services.transport.headers import header_bytes
 from hearth.services.orchestrator.router import ShardRouter
@@ -119,6 +121,7 @@ class Orchestrator(CallServing):
     async def start(self) -> None:
         """Start serving; OutboxFileUnavailable when `outbox_dir` has no file this process may claim."""
         await self.outbox.start_in(self.outbox_dir, owner=self.node_id)
+        await self._end_calls_left_open()
         await self.projector.start()
         if self.call_nonces is not None:
             await self.call_nonces.ready(stream_setup(self.settings.nats))
@@ -158,6 +161,18 @@ class Orchestrator(CallServing):
         await flush_ordered(self.nc, self.settings.transport.control_timeout_s)
         log.info("orchestrator %s answering %s and %s", self.node_id, CHAT_REQUEST_SUBJECT,
                  orchestrator_request_subject(self.node_id))
+
+    async def _end_calls_left_open(self) -> None:
+        """Record `pipeline.aborted` (`orchestrator_gone`) for each call the process killed before this one left open
+        in this outbox file, after what it left unwritten: else each reads as under way in the read models for ever."""
+        left_open = self.outbox.calls_left_open
+        for pipeline_id in left_open:
+            await self._record_event(PipelineAborted(
+                node_id=self.node_id, pipeline_id=pipeline_id, code=ORCHESTRATOR_GONE,
+                reason="its orchestrator process ended mid-call (killed or crashed); recorded by the next one"))
+        if left_open:
+            log.warning("orchestrator %s: %d call(s) its killed predecessor left open recorded as aborted (%s)",
+                        self.node_id, len(left_open), ORCHESTRATOR_GONE)
 
     async def _record_event(self, event) -> None:
         """An event of the orchestrator's own (not of one call's run): counted in metrics, then into the outbox."""

@@ -74,7 +74,11 @@ async def run_projector(
                                                registry=registry)
         if ready_file:
             Path(ready_file).write_text("projector")
-        await stop_event.wait()
+        try:  # until stopped, or until the file is found damaged: then one line and exit 1, for a rebuild
+            await unless_stopped(projector.found_unusable.wait(), stop_event)
+        except Stopped:
+            return
+        raise CommandRefused(str(projector.unusable))
     finally:
         if metrics_server is not None:
             metrics_server.stop()
