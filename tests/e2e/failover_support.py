@@ -120,22 +120,22 @@ class FailoverMesh:
 
     def start_shard(self, node_id: str, lo: int, hi: int, *, hop_weight: float, fault: str | None = None,
                     metrics_port: int | None = None, wait_ready: bool = True,
-                    extra_args: list[str] = ()) -> ShardHandle:
+                    extra_args: list[str] = (), model_path: Path | None = None) -> ShardHandle:
         args = ["--hop-weight", str(hop_weight), "--heartbeat-s", str(HEARTBEAT_S), "--ttl-s", str(SHARD_TTL_S),
                 *extra_args]
         if fault:
             args += ["--fault", fault]
         if metrics_port is not None:
             args += ["--metrics-port", str(metrics_port)]
-        process = self.cluster.start_shard(str(self.model_path), lo, hi, node_id=node_id, extra_args=args,
+        process = self.cluster.start_shard(str(model_path or self.model_path), lo, hi, node_id=node_id, extra_args=args,
                                            wait_ready=wait_ready)
         handle = self.shards[node_id] = ShardHandle(process, node_id, lo, hi, metrics_port)
         return handle
 
-    def start_orchestrator(self, *, local_model: bool = True) -> ManagedProcess:
+    def start_orchestrator(self, *, local_model: bool = True, extra_args: list[str] = ()) -> ManagedProcess:
         # A routing read model the tests can look into (WAL: reading never blocks the orchestrator's projector).
         self.orchestrator_db = self.cluster.work_dir / "orchestrator-routing.sqlite"
-        args = ["--step-timeout-s", str(STEP_TIMEOUT_S), "--db", str(self.orchestrator_db)]
+        args = ["--step-timeout-s", str(STEP_TIMEOUT_S), "--db", str(self.orchestrator_db), *extra_args]
         if local_model:
             args += ["--local-model", self.model_name]
         # Replicas are picked by hop weight after a same-prompt reference call, which kept prefixes would route back.

@@ -30,7 +30,8 @@ async def test_a_first_choice_failing_before_its_first_token_leaves_no_task_pend
     monkeypatch.setattr(choices, "PipelineRun", _FailingRun)
     client = RecordingClient()
     group = ChoiceGroup(client, ctx=None)
-    calls = [SimpleNamespace(pipeline_id=f"p{index}", client=ChoiceClient(group, index)) for index in range(2)]
+    calls = [SimpleNamespace(pipeline_id=f"p{index}", client=ChoiceClient(group, index), quantization=None)
+             for index in range(2)]
     before = asyncio.all_tasks()
 
     await group.serve(calls)

@@ -43,7 +43,8 @@ async def test_a_choice_group_whose_client_left_sends_no_final_frame_and_is_coun
     client = ClientStream(connection, "_INBOX.caller", resubscribe_grace_s=1.0, missing_grace_s=1.0,
                           probe_timeout_s=0.25)
     group = ChoiceGroup(client, ctx=None)
-    calls = [SimpleNamespace(pipeline_id=f"p{index}", client=ChoiceClient(group, index)) for index in range(3)]
+    calls = [SimpleNamespace(pipeline_id=f"p{index}", client=ChoiceClient(group, index), quantization=None)
+             for index in range(3)]
 
     await asyncio.wait_for(group.serve(calls), timeout=10)
 

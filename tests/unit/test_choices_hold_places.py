@@ -52,7 +52,8 @@ async def test_a_group_runs_as_many_choices_at_once_as_it_holds_places(monkeypat
     monkeypatch.setattr(ChoiceGroup, "_share_prefill", lambda self, run: _prefilled(self))
     client = RecordingClient()
     group = ChoiceGroup(client, ctx=None, at_once=2)
-    calls = [SimpleNamespace(pipeline_id=f"p{index}", client=ChoiceClient(group, index)) for index in range(5)]
+    calls = [SimpleNamespace(pipeline_id=f"p{index}", client=ChoiceClient(group, index), quantization=None)
+             for index in range(5)]
 
     await asyncio.wait_for(group.serve(calls), timeout=10)
 

@@ -27,7 +27,10 @@ def test_a_name_stands_for_every_token_before_it_and_for_the_caller():
     tail_edited = block_names([*IDS[:12], 999, *IDS[13:]], 4, FIRST, "member:ann")
     assert tail_edited[:3] == names[:3] and tail_edited[3] != names[3]
     assert block_names(IDS, 4, FIRST, "member:bob")[0] != names[0]
-    assert block_names(IDS, 4, first_name("tiny", "abc", "int8", "auto", 4), "member:ann")[0] != names[0]
+    # Another scheme, model or checkpoint (another seed under the same name): no block of one serves the other.
+    for other in (first_name("tiny", "abc", "int8", "auto", 4), first_name("tiny-qwen", "abc", "none", "auto", 4),
+                  first_name("tiny", "abd", "none", "auto", 4)):
+        assert block_names(IDS, 4, other, "member:ann")[0] != names[0]
     # A LongRoPE model's prompts rotate on its short or long factors by their length: neither set's KV serves the other.
     short, long = (block_names(IDS, 4, first_name("tiny", "abc", "none", "auto", 4, factors), "member:ann")[0]
                    for factors in ("short", "long"))

@@ -109,7 +109,8 @@ class GatewayApp(AnswerDelivery):
             raise
         except Exception as error:
             raise self._unforeseen(request.url.path, error) from None
-        return [ModelCard(id=model.id) for model in reply.models if model.complete or model.runnable_locally]
+        return [ModelCard(id=model.id, hearth_quantizations=model.quantizations if model.complete else [])
+                for model in reply.models if model.complete or model.runnable_locally]
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._answer(request, ChatCompletionRequest, ChatShape, "chatcmpl-")

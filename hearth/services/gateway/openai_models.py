@@ -364,6 +364,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "hearth"
+    # hearth's extension: the weight schemes live shards serve the model whole in now, most precise first (what
+    # `hearth.quantization` may name; `quantizations` of llm.models), empty for one only an orchestrator runs locally.
+    hearth_quantizations: list[str] = Field(default_factory=list)
 
 
 class ModelList(BaseModel):

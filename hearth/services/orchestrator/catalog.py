@@ -256,12 +256,15 @@ class ModelCatalog:
         """The folder of a model id that shard hosts advertise, looked up as a request's name is (never as a
         path), or None; `local` is the local model as local_model_at_hand found it for the same answer (one
         resolution serves every id)."""
-        for loaded in list(self._loaded.values()):
-            if loaded.model_id == model_id:
-                return loaded.path
+        if (loaded := self.loaded_of_id(model_id)) is not None:
+            return loaded.path
         if local is not None and model_id == local.model_id:
             return local.path
         return self.catalog_path(model_id)
+
+    def loaded_of_id(self, model_id: str) -> LoadedModel | None:
+        """The model loaded here (its head) that shard hosts advertise as `model_id`, or None."""
+        return next((loaded for loaded in list(self._loaded.values()) if loaded.model_id == model_id), None)
 
     async def get(self, model: str) -> LoadedModel:
         """The model an operator named (a path, a folder name or a hub id), loaded on first use."""
@@ -283,9 +286,8 @@ class ModelCatalog:
                 return await self.get(configured)
             except UnknownModel:  # its message may carry the operator's paths
                 raise UnknownModel(f"model {name!r} cannot be found on this orchestrator") from None
-        for loaded in list(self._loaded.values()):
-            if loaded.model_id == name:
-                return loaded
+        if (loaded := self.loaded_of_id(name)) is not None:
+            return loaded
         path = await asyncio.to_thread(self.catalog_path, name)
         if path is None and is_hub_id(name):
             return await self._get_advertised_hub_model(name)

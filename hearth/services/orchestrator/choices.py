@@ -3,7 +3,8 @@
 The first choice runs as any call; once its prefill gave its first token, its hops keep a copy of the prompt's
 whole blocks (`keep`, hearth/inference/prefix_cache.py) while it goes on, and the other choices start: routing sends
 them to those hops (hearth/services/orchestrator/affinity.py) and each prefills only the prompt's last, partial block
-before it samples on its own (with `seed`, choice i draws with seed + i). Every choice's frames go to the one client
+before it samples on its own (with `seed`, choice i draws with seed + i), in the weight scheme of the first choice's
+chain (as a failover keeps a call's). Every choice's frames go to the one client
 tagged with its `choice`; the group's last frame comes once every choice has ended: one done frame (choice 0's finish
 reason and timing, every choice's tokens counted, how each ended in `choices`), or, when a choice did not end well,
 its final frame (none when the client went away). The request holds a running place of its caller's for each choice, up
@@ -82,6 +83,10 @@ class ChoiceGroup:
         others: list[asyncio.Task] = []
         try:
             await asyncio.wait([first, prefilled], return_when=asyncio.FIRST_COMPLETED)
+            for run in runs[1:]:
+                # In the scheme the first choice's chain serves (when the request named none): each would take the
+                # most precise one with room for itself, another one while the first holds its shards.
+                run.call.quantization = run.call.quantization or runs[0].call.quantization
             others = [asyncio.create_task(self._serve(run), name=f"choice-{index}-{run.call.pipeline_id}")
                       for index, run in enumerate(runs[1:], start=1)]
             await asyncio.gather(first, *others)

@@ -37,13 +37,22 @@ def _covered_count(ranges: list[tuple[int, int]]) -> int:
     return sum(hi - lo + 1 for lo, hi in ranges)
 
 
-def served_model(model_id: str, shards: list[ShardCandidate]) -> ServedModel:
+def served_model(model_id: str, shards: list[ShardCandidate], *, weights_sha256: str | None = None,
+                 total_layers: int | None = None) -> ServedModel:
     """The coverage of one model by its live shards: of the weights and quantization scheme that cover most
-    layers (the most precise scheme of equals), with every scheme those weights cover completely."""
+    layers (the most precise scheme of equals), with every scheme those weights cover completely.
+    `weights_sha256`, `total_layers`: the model as this orchestrator loaded it (its head), when it has: only shards
+    of those weights and that layer count count, as only they can be routed (router.py), so a checkpoint of the
+    same name with other weights (another seed) neither makes the model look servable nor hides a scheme of ours;
+    None: the weights that cover most, of the largest layer count advertised."""
+    shards = [s for s in shards if weights_sha256 in (None, s.weights_sha256)
+              and total_layers in (None, s.total_layers)]
+    if not shards:
+        return ServedModel(id=model_id, total_layers=total_layers or 0, complete=False, weights_sha256=weights_sha256)
     groups: dict[tuple[str, str], list[ShardCandidate]] = defaultdict(list)
     for shard in shards:
         groups[(shard.weights_sha256, shard.quantization)].append(shard)
-    total_layers = max(s.total_layers for s in shards)
+    total_layers = total_layers or max(s.total_layers for s in shards)
     coverage = {key: covered_ranges(group, total_layers) for key, group in groups.items()}
     (weights, _), ranges = max(coverage.items(), key=lambda item: (
         _covered_count(item[1]), [-rank for rank in precision_order(item[0][1])[:2]], item[0][0]))
@@ -67,7 +76,13 @@ async def describe_models(router: ShardRouter, catalog: ModelCatalog) -> ModelsR
     for shard in rows:
         if router.alive(shard, now):
             live[shard.model_id].append(shard)
-    models = {model_id: served_model(model_id, shards) for model_id, shards in live.items()}
+    models = {}
+    for model_id, shards in live.items():
+        # Judged by the weights this orchestrator routes the model with, where it holds its head (ModelCatalog.get).
+        loaded = catalog.loaded_of_id(model_id)
+        models[model_id] = served_model(
+            model_id, shards, weights_sha256=loaded.weights_sha256 if loaded is not None else None,
+            total_layers=loaded.head.info.num_layers if loaded is not None else None)
     # Found once for the whole answer (every id below is matched against it): it may read config and headers from disk.
     local = await asyncio.to_thread(catalog.local_model_at_hand)
     if local is not None:

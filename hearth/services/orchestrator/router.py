@@ -23,9 +23,10 @@ Rules, in order:
    it by a conversation's kept prefix: affinity.py);
 3. a shard on the orchestrator's own node is not hop 0 unless `allow_self_as_shard`;
 4. a layer no candidate can run is `shard_unavailable`, or `weights_mismatch` when a shard with other
-   weights would otherwise have been usable; the message names the uncovered layers (and the scheme), and the
-   shards holding them that were left out, each with why; a requested scheme no live shard serves is
-   `shard_unavailable` naming it (and the shards of it that were left out, each with why).
+   weights would otherwise have been usable (of a scheme the call may be served in); the message names the
+   uncovered layers (and the scheme), and the shards holding them that were left out, each with why; a requested
+   scheme no live shard serves is `shard_unavailable` naming it (and the shards of it that were left out, each
+   with why).
 
 All instants are epoch seconds (the read model floors them to whole seconds). Rule 1 is repeated in SQL for the
 dashboards and `hearth status` (hearth/services/dashboards/routing_sql.py): change both together
@@ -261,6 +262,9 @@ class ShardRouter:
             precision_order(label)))
         candidates = [s for s in same_weights if s.quantization == scheme]
         named = quantization is not None or len(schemes) > 1 or scheme not in (None, "none")
+        # Other weights count against ours only in a scheme the call may be served in: a shard of another scheme
+        # would not have joined its chain had its weights been ours.
+        mismatched = [s for s in mismatched if accepts(quantization, s.quantization)]
         self._fail(model_id, weights_sha256, candidates, mismatched, total_layers, 0,
                    scheme=scheme if named else None,
                    left_out=[(s, left_out[s.shard_id]) for s in shards if s.shard_id in left_out
