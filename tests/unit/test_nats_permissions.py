@@ -87,3 +87,19 @@ def test_an_orchestrator_hears_the_queue_and_its_own_subject_only_and_a_client_m
         assert not may_subscribe("client", subject), subject
     # One token under the queue's subject, nothing deeper.
     assert not may_publish("client", f"{own}.x")
+
+
+def test_no_role_but_system_is_granted_responses_and_a_shard_answers_only_askers_and_itself():
+    """A response permission lets a member that hears its own publishes (a host's control and activation subjects)
+    grant itself any subject: only `system`, which may publish anywhere anyway, has one."""
+    for role in ROLES:
+        assert not role_permissions(role, "m", ("_INBOX.alice",), ("_INBOX.orch",)).allow_responses, role
+    shard = role_permissions("shard", "shard-a", ("_INBOX.alice",), ("_INBOX.orch", "_INBOX.steward"))
+
+    def shard_may_publish(subject: str) -> bool:
+        return any(matches(pattern, subject) for pattern in shard.publish)
+
+    for inbox in ("_INBOX.orch.x.1", "_INBOX.steward.x", "_INBOX.shard-a.x"):
+        assert shard_may_publish(inbox), inbox
+    for inbox in ("_INBOX.alice.x", "_INBOX.shard-b.x", "_INBOX.orch"):
+        assert not shard_may_publish(inbox), inbox

@@ -3,8 +3,11 @@ subjects its role may publish and subscribe to, so the broker itself refuses wha
 
 Subjects carry the node they belong to (hearth/protocol/subjects.py), which lets a permission say "only your own":
 a shard host publishes only its own shard events and subscribes only to its own control, activation and ack
-subjects and its own inbox. A shard's replies to control requests go out under `allow_responses`. Orchestrators
-stream frames into the inboxes of the members that may call them (clients, `system`), and no other inbox.
+subjects and its own inbox. A shard's replies to control requests go into the inboxes of the members that ask
+shards (orchestrators, `system`) and its own, named from the roster; orchestrators stream frames into the inboxes of
+the members that may call them (clients, `system`). No role but `system` has `allow_responses`: a member that hears
+a subject it may also publish on (a host's own control and activation subjects) could name any reply there, hear
+its own message and so be granted a publish to that reply (an event, another inbox, JetStream's administration).
 
 JetStream's API is granted verb by verb: a member reads a stream only through ephemeral consumers of its own
 (STREAM.INFO, CONSUMER.CREATE/DELETE, flow-control replies: what events.ordered_reader does), and only the
@@ -52,6 +55,8 @@ DEFAULT_MIN_ACTIVATION_TRUST: TrustLevel = "trusted"
 # it.
 WEIGHTS_BUCKET = "hearth-weights"
 WEIGHTS_STREAM = f"OBJ_{WEIGHTS_BUCKET}"
+# Roles whose members send shards control requests and hear the answers in their inboxes.
+SHARD_ASKER_ROLES: tuple[Role, ...] = ("orchestrator", "system")
 
 
 def is_member_inbox(reply: str) -> bool:
@@ -119,23 +124,25 @@ def call_nonces_recording() -> tuple[str, ...]:
     return (CALL_NONCES_SUBJECTS, f"{JS_API}.STREAM.INFO.{CALL_NONCES_STREAM}")
 
 
-def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = ()) -> Permissions:
+def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = (),
+                     asker_inboxes: Iterable[str] = ()) -> Permissions:
     """What a member of `role` named `name` may publish and subscribe to; `caller_inboxes`: the inbox prefixes
-    of the members that may call an orchestrator (its frames go there)."""
+    of the members that may call an orchestrator (its frames go there); `asker_inboxes`: those of the members that
+    ask shards over their control subjects (a shard's answers go there)."""
     node = node_token(name)
     own_inbox = f"{inbox_prefix(name)}.>"
     if role == "shard":
         return Permissions(
             # The shards stream only: `hearth host` reads the mesh's coverage to choose its layers; the pipelines
             # stream (who called, which hops) is none of a shard host's business. Its own node's control subjects:
-            # a restarted `hearth host` asks which of its node's adverts are still served.
+            # a restarted `hearth host` asks which of its node's adverts are still served. Control replies go to
+            # the askers' inboxes by name and to its own (hearth/services/shard/server.py answers `_INBOX.` subjects
+            # only), not through `allow_responses`, which a host could turn on itself (the module's docstring).
             publish=(shard_events_subject_of_node(name), f"hearth.ctl.{node}.>", "hearth.act.>", "hearth.ack.>",
-                     "hearth.notice.>", *stream_reading((SHARDS_STREAM,)), *weights_store_reading()),
+                     "hearth.notice.>", *stream_reading((SHARDS_STREAM,)), *weights_store_reading(),
+                     *(f"{prefix}.>" for prefix in sorted({*asker_inboxes, inbox_prefix(name)}))),
             subscribe=(f"hearth.ctl.{node}.>", f"hearth.act.{node}.>", f"hearth.ack.{node}.>",
                        "hearth.keepalive.>", own_inbox),
-            # Control replies go back to the orchestrator that asked (hearth/services/shard/server.py answers `_INBOX.`
-            # subjects only).
-            allow_responses=True,
         )
     if role == "orchestrator":
         return Permissions(
@@ -178,10 +185,17 @@ def caller_inbox_prefixes(roster: Roster) -> tuple[str, ...]:
     return tuple(inbox_prefix(member.name) for member in roster.members if member.role in CALLER_ROLES)
 
 
+def shard_asker_inbox_prefixes(roster: Roster) -> tuple[str, ...]:
+    """The inbox prefixes of the roster's members that ask shards over their control subjects (orchestrators open
+    and probe hops; `system` may publish anywhere)."""
+    return tuple(inbox_prefix(member.name) for member in roster.members if member.role in SHARD_ASKER_ROLES)
+
+
 def authorization_users(roster: Roster, *,
                         min_activation_trust: TrustLevel = DEFAULT_MIN_ACTIVATION_TRUST) -> list[dict]:
-    callers = caller_inbox_prefixes(roster)
-    return [{"nkey": member.public_key, "permissions": role_permissions(member.role, member.name, callers).render()}
+    callers, askers = caller_inbox_prefixes(roster), shard_asker_inbox_prefixes(roster)
+    return [{"nkey": member.public_key,
+             "permissions": role_permissions(member.role, member.name, callers, askers).render()}
             for member in roster.members if admitted(member, min_activation_trust)]
 
 
