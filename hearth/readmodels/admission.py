@@ -10,6 +10,11 @@ rejects exactly what the live projection did.
 
 A rotation of the steward's own key is kept the same way (steward_keys): the key it names is the steward's on that
 stream from there on (hearth/events/steward_keys.py), before the roster file names it and after a restart.
+
+A pipeline is its builder's: once the pipelines stream has shown a pipeline's row, a `pipeline.*` event of it from
+another orchestrator is rejected (`node_mismatch`). Every orchestrator reads the pipelines stream, so it knows every
+call's id, and its own signed events would otherwise rewrite another's call (its status, hops and owner) and credit
+that call's hosts with tokens again. The row comes from the same stream's earlier events, so a rebuild agrees.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import TYPE_CHECKING
 from hearth.events.models import MemberRemoved
 from hearth.events.signing import EventVerifier, RejectionReason, StreamPosition
 from hearth.events.steward_keys import Succession, passed_steward_key
-from hearth.readmodels.batch_rows import MEMBER_REMOVALS, STEWARD_KEYS, BatchRows, epoch_s
+from hearth.readmodels.batch_rows import MEMBER_REMOVALS, PIPELINES, STEWARD_KEYS, BatchRows, epoch_s
 
 if TYPE_CHECKING:
     from hearth.events.consume import StoredEvent
@@ -51,7 +56,18 @@ def rejection(verifier: EventVerifier | None, message: StoredEvent, rows: BatchR
     return verifier.rejection(event, received_at=message.time, stored_data=message.data,
                               position=StreamPosition(message.stream, message.seq, message.subject),
                               removal_logged=removal_logged,
-                              steward_succession=steward_succession(message.stream, rows))
+                              steward_succession=steward_succession(message.stream, rows)) or pipeline_of_another(
+        event, rows)
+
+
+def pipeline_of_another(event: object, rows: BatchRows) -> RejectionReason | None:
+    """`node_mismatch` for a pipeline event about a pipeline another orchestrator built (its row says whose)."""
+    if not getattr(event, "type", "").startswith("pipeline."):
+        return None
+    pipeline = rows.get(PIPELINES, event.pipeline_id)  # type: ignore[attr-defined]
+    if pipeline is not None and pipeline["orchestrator_node_id"] != event.node_id:  # type: ignore[attr-defined]
+        return "node_mismatch"
+    return None
 
 
 def steward_succession(stream: str, rows: BatchRows) -> Succession:
