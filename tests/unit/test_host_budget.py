@@ -77,7 +77,7 @@ def test_a_budget_that_holds_no_layer_is_refused_before_the_broker_is_dialled(mo
 
     monkeypatch.delenv(KV_ENV, raising=False)
     with pytest.raises(ShardRefused, match=r"^a memory budget of 1\.0 MB holds no layer of hearth-tiny-llama: the "
-                                           r"smallest needs 3\.0 MB plus 0\.2 MB kv_cache_budget_mb$"):
+                                           r"smallest needs 3\.0 MB plus 0\.25 MB kv_cache_budget_mb$"):
         asyncio.run(asyncio.wait_for(run_host(
             model=str(MODEL), memory_budget_mb=1.0, nats_url="nats://127.0.0.1:1", settings=HearthSettings(),
             node_id="n1", device="cpu", stop_event=asyncio.Event()), timeout=60))

@@ -58,6 +58,12 @@ class CommandRefused(RuntimeError):
     command line prints the message as one line and exits 1."""
 
 
+class CommandInputRefused(CommandRefused):
+    """What the command was given cannot be used, as found before it starts anything (a model that does not exist, a
+    device or quantization scheme this machine has no kernel for, a memory budget that holds no layer): the command
+    line prints the message as one line and exits 2, as for a usage error."""
+
+
 class StopRequested(BaseException):
     """SIGINT/SIGTERM arrived before the event loop ran (while importing, say); BaseException like
     KeyboardInterrupt, so no `except Exception` on the way swallows it."""

@@ -31,7 +31,8 @@ from hearth.events.streams import SHARDS_STREAM
 from hearth.inference import InferenceError
 from hearth.inference.cache_ranges import release_range
 from hearth.inference.devices import device_memory_available_bytes
-from hearth.inference.memory import MiB, megabytes
+from hearth.inference.checkpoint import looks_like_local_path
+from hearth.inference.memory import MiB, shown_mb
 from hearth.readmodels.catch_up import read_model_caught_up
 from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
@@ -46,6 +47,7 @@ from hearth.services.host.coverage import MOVED, CoverageReader, coverage_from, 
 from hearth.services.host.model_layout import model_layout
 from hearth.services.host.planner import LayerRange, better_range, choose_range
 from hearth.services.shard.main import (
+    ShardInputRefused,
     ShardRefused,
     configure_torch_threads,
     default_node_id,
@@ -167,8 +169,10 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     except Stopped:
         raise
     except (InferenceError, WeightsStoreError, ValueError, KeyError, OSError) as error:
-        raise ShardRefused(f"cannot plan a range of {model}: {(str(error).splitlines() or [repr(error)])[0]}") \
-            from None
+        # A model of this machine's (a folder, a GGUF, an Ollama model) that cannot be read is the caller's input (exit
+        # 2); a hub or store model may be unreadable for now (the network, the broker).
+        refused = ShardRefused if isinstance(error, OSError) or not looks_like_local_path(model) else ShardInputRefused
+        raise refused(f"cannot plan a range of {model}: {(str(error).splitlines() or [repr(error)])[0]}") from None
     except Exception as error:  # the broker's refusals and timeouts while reading the store's manifest
         raise ShardRefused(f"cannot read {model} from the store: {type(error).__name__}: {error}") from None
     total_layers, layer_bytes, served_id = layout.total_layers, layout.layer_bytes, layout.served_id
@@ -176,9 +180,9 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     budget_bytes = await planned_budget_bytes(shard, compute_device, node)
     weights_budget = budget_bytes - kv_reserve_bytes(shard)
     if not any(size <= weights_budget for size in layer_bytes):  # whatever the mesh serves: said before dialling
-        raise ShardRefused(
-            f"a memory budget of {megabytes(budget_bytes):.1f} MB holds no layer of {served_id}: the smallest needs "
-            f"{megabytes(min(layer_bytes, default=0)):.1f} MB plus {shard.kv_cache_budget_mb:.1f} MB "
+        raise ShardInputRefused(
+            f"a memory budget of {shown_mb(budget_bytes)} MB holds no layer of {served_id}: the smallest needs "
+            f"{shown_mb(min(layer_bytes, default=0))} MB plus {shown_mb(kv_reserve_bytes(shard))} MB "
             "kv_cache_budget_mb")
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
     metrics_server = None

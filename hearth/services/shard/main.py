@@ -25,7 +25,7 @@ from hearth.inference.quantization import (
 from hearth.services.common.config import HearthSettings, HostSettings
 from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
 from hearth.services.common.lifecycle import (
-    CommandRefused, Stopped, restart_stop_deadline, stop_again_event, unless_stopped,
+    CommandInputRefused, CommandRefused, Stopped, restart_stop_deadline, stop_again_event, unless_stopped,
 )
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
@@ -44,6 +44,11 @@ _layer_range_re = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 class ShardRefused(CommandRefused):
     """This host may not serve the asked range (its configuration forbids it, or it does not fit)."""
+
+
+class ShardInputRefused(ShardRefused, CommandInputRefused):
+    """What the shard was given cannot be used here, found before anything starts (a device this machine has not, a
+    scheme it has no kernel for): exit code 2."""
 
 
 def with_overrides(settings: HearthSettings, *, max_streams: int | None, heartbeat_s: float | None,
@@ -90,21 +95,22 @@ class LoadedShard:
 
 
 def resolve_compute(device: str | None, dtype: str | None, host: HostSettings) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype from the command line, else the host settings; ShardRefused when not available here."""
+    """The device and dtype from the command line, else the host settings; ShardInputRefused when not available
+    here."""
     try:
         return resolve_placement(device or host.device, dtype or host.dtype)
     except ValueError as error:
-        raise ShardRefused(str(error)) from None
+        raise ShardInputRefused(str(error)) from None
 
 
 def resolve_quantization(quantize: str | None, host: HostSettings, device: torch.device) -> QuantizationScheme:
-    """The weight quantization scheme from the command line, else the host settings; ShardRefused when it is
+    """The weight quantization scheme from the command line, else the host settings; ShardInputRefused when it is
     malformed or `device` has no kernel for it."""
     try:
         scheme = parse_quantization(quantize or host.quantize)
         check_device_supports(scheme, device)
     except QuantizationError as error:
-        raise ShardRefused(f"--quantize: {_first_line(error)}") from None
+        raise ShardInputRefused(f"--quantize: {_first_line(error)}") from None
     return scheme
 
 
