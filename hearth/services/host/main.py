@@ -34,6 +34,7 @@ from hearth.inference.devices import device_memory_available_bytes
 from hearth.inference.checkpoint import looks_like_local_path
 from hearth.inference.memory import MiB, shown_mb
 from hearth.readmodels.catch_up import read_model_caught_up
+from hearth.readmodels.queries import coverage_text
 from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
@@ -44,7 +45,7 @@ from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
 from hearth.services.host.coverage import MOVED, CoverageReader, coverage_from, earlier_shards_gone
-from hearth.services.host.model_layout import model_layout
+from hearth.services.host.model_layout import ModelLayout, model_layout
 from hearth.services.host.planner import LayerRange, better_range, choose_range
 from hearth.services.shard.main import (
     ShardInputRefused,
@@ -208,8 +209,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             taken: set[LayerRange] = set()
             arriving: Move | None = None  # the move this host is making to serve `chosen`
             while chosen is not None and not stop_event.is_set():  # None: stopped (a layer fits, checked above)
-                log.info("host %s: serving layers %s of %s in %s (coverage: %s)", node, chosen, served_id,
-                         scheme.label, await coverage.replicas())
+                log.info("%s", plan_text(node, chosen, layout, scheme.label, weights_budget, await coverage.replicas()))
                 try:
                     move = await _serve_until_moved(chosen, coverage, nc, model=model, model_id=served_id,
                                                     node=node, settings=settings, device=device, dtype=dtype,
@@ -230,6 +230,16 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             if metrics_server is not None:
                 metrics_server.stop()
             await drain_or_close(nc, settings.nats.drain_timeout_s)
+
+
+def plan_text(node: str, chosen: LayerRange, layout: ModelLayout, scheme: str, weights_budget: int,
+              replicas: list[int]) -> str:
+    """What a host says it serves, and why: its range, what the range weighs against its budget, and which layers the
+    mesh held before (before, a list of one count per layer: eighty numbers for a large model)."""
+    weights = sum(layout.layer_bytes[layer] for layer in chosen.layers())
+    return (f"host {node}: serving layers {chosen} of {layout.served_id} in {scheme} ({len(chosen.layers())} of its "
+            f"{layout.total_layers} layers, {shown_mb(weights)} MB of weights within {shown_mb(weights_budget)} MB: "
+            f"the budget less the KV reserve); the mesh held: {coverage_text(enumerate(replicas))}")
 
 
 async def range_besides_taken(coverage: CoverageReader, taken: Set[LayerRange], gone: Set[str],
