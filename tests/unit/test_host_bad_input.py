@@ -4,6 +4,8 @@ before, these exited 1, as a refusal of the mesh's would."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -25,14 +27,26 @@ def host(*args: str):
     (lambda tmp_path: str(tmp_path / "nope"), "does not exist"),
     (lambda tmp_path: str(tmp_path / "nope.gguf"), "does not exist"),
     (lambda tmp_path: "ollama:no-such-model", "Ollama has not pulled"),
+    (lambda tmp_path: str(tmp_path / "notes.txt"), "notes.txt is neither a checkpoint folder nor a GGUF file"),
 ])
 def test_a_model_that_does_not_exist_is_one_line_and_exit_code_2(model, why, tmp_path, monkeypatch):
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
+    (tmp_path / "notes.txt").write_text("not a model")
     result = host("--model", model(tmp_path), "--memory-budget-mb", "100")
     assert result.exit_code == 2, result.output
     [line] = [line for line in result.output.splitlines() if "WARNING" not in line]
     assert line.startswith("hearth host: cannot plan a range of ") and why in line, line
     assert "Traceback" not in result.output
+
+
+def test_an_empty_model_is_refused_not_taken_for_the_current_folder(tmp_path, monkeypatch):
+    """`--model ""` (a shell variable left unset) is Path(""), the current folder: the checkpoint found there was
+    planned, and would have been served."""
+    monkeypatch.chdir(shutil.copytree(MODEL, tmp_path / "checkpoint"))
+    result = host("--model", "", "--memory-budget-mb", "100")
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[-1] == ("hearth host: cannot plan a range of : no model named: give a checkpoint "
+                                              "folder, a GGUF file or a hub model id")
 
 
 def test_a_budget_that_holds_no_layer_is_one_line_with_its_figures_and_exit_code_2():
