@@ -210,7 +210,8 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             taken: set[LayerRange] = set()
             arriving: Move | None = None  # the move this host is making to serve `chosen`
             while chosen is not None and not stop_event.is_set():  # None: stopped (a layer fits, checked above)
-                log.info("%s", plan_text(node, chosen, layout, scheme.label, weights_budget, await coverage.replicas()))
+                log.info("%s", plan_text(node, chosen, layout, scheme.label, weights_budget,
+                                         await coverage.replicas(leave_out=gone)))
                 try:
                     move = await _serve_until_moved(chosen, coverage, nc, model=model, model_id=served_id,
                                                     node=node, settings=settings, device=device, dtype=dtype,
