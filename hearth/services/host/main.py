@@ -44,7 +44,9 @@ from hearth.services.common.lifecycle import Stopped, event_within, unless_stopp
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
-from hearth.services.host.coverage import MOVED, CoverageReader, coverage_from, earlier_shards_gone
+from hearth.services.host.coverage import (
+    MOVED, CoverageReader, coverage_from, earlier_shards_gone, warn_of_other_schemes,
+)
 from hearth.services.host.model_layout import ModelLayout, model_layout
 from hearth.services.host.planner import LayerRange, better_range, choose_range
 from hearth.services.shard.main import (
@@ -206,6 +208,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             # A run of this host that crashed left its advert alive until the health timeout: counted, its layers
             # would pass for held and the host would choose others, leaving them held by nobody.
             gone = await unless_stopped(earlier_shards_gone(coverage, nc, node, settings), stop_event)
+            await warn_of_other_schemes(coverage, node)
             chosen = choose_range(await coverage.replicas(leave_out=gone), layer_bytes, weights_budget)
             taken: set[LayerRange] = set()
             arriving: Move | None = None  # the move this host is making to serve `chosen`
