@@ -28,10 +28,14 @@ def host(*args: str):
     (lambda tmp_path: str(tmp_path / "nope.gguf"), "does not exist"),
     (lambda tmp_path: "ollama:no-such-model", "Ollama has not pulled"),
     (lambda tmp_path: str(tmp_path / "notes.txt"), "notes.txt is neither a checkpoint folder nor a GGUF file"),
+    # A folder of the current one, named as a hub id would be: it exists, so it is this machine's.
+    (lambda tmp_path: "broken-model", "has no config.json"),
 ])
 def test_a_model_that_does_not_exist_is_one_line_and_exit_code_2(model, why, tmp_path, monkeypatch):
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
     (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "broken-model").mkdir()
+    monkeypatch.chdir(tmp_path)
     result = host("--model", model(tmp_path), "--memory-budget-mb", "100")
     assert result.exit_code == 2, result.output
     [line] = [line for line in result.output.splitlines() if "WARNING" not in line]

@@ -174,7 +174,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     except (InferenceError, WeightsStoreError, ValueError, KeyError, OSError) as error:
         # A model of this machine's (a folder, a GGUF, an Ollama model) that cannot be read is the caller's input (exit
         # 2); a hub or store model may be unreadable for now (the network, the broker).
-        local = looks_like_local_path(model) or not model.strip()
+        local = looks_like_local_path(model) or not model.strip() or Path(model).expanduser().exists()
         refused = ShardRefused if isinstance(error, OSError) or not local else ShardInputRefused
         raise refused(f"cannot plan a range of {model}: {(str(error).splitlines() or [repr(error)])[0]}") from None
     except Exception as error:  # the broker's refusals and timeouts while reading the store's manifest
