@@ -379,7 +379,7 @@ TorchThreadsOption = Annotated[
 ]
 ReadyFileOption = Annotated[
     Optional[Path],
-    typer.Option("--ready-file", help="Write this file once the process serves (for scripts and tests).",
+    typer.Option("--ready-file", help="Write this file, whole at once, once the process serves (for scripts, tests).",
                  show_default=False),
 ]
 BusyThreadsOption = Annotated[

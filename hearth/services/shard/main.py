@@ -26,6 +26,7 @@ from hearth.services.common.config import HearthSettings, HostSettings
 from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
 from hearth.services.common.lifecycle import (
     CommandInputRefused, CommandRefused, Stopped, restart_stop_deadline, stop_again_event, unless_stopped,
+    write_ready_file,
 )
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
@@ -300,8 +301,7 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
               f"{identity.weights_sha256[:12]}, {identity.device_kind} {identity.dtype}, quantization "
               f"{identity.quantization}, {identity.memory_required_mb:.1f} MB)", flush=True)
         if ready_file:
-            with open(ready_file, "w") as handle:
-                handle.write(shard_id)
+            write_ready_file(ready_file, shard_id)
         if serving is not None:
             serving.set()
         # A connection nats-py closed for good would leave the shard advertised but unreachable: it stops instead. So
