@@ -99,6 +99,13 @@ def looks_like_local_path(model: str) -> bool:
             or (model.lower().endswith(GGUF_SUFFIX) and not is_hub_gguf_id(model)))
 
 
+def _not_a_checkpoint(path: Path) -> str:
+    """Why `path`, given as a local model, is none: missing, or a file that is no GGUF (before, said missing too)."""
+    if path.exists():
+        return f"{path} is neither a checkpoint folder nor a GGUF file"
+    return f"checkpoint folder or GGUF file {path} does not exist"
+
+
 def resolve_model_path(
     model: str | Path,
     *,
@@ -120,6 +127,8 @@ def resolve_model_path(
     is missing and downloads are allowed (``local_files_only`` false and ``HF_HUB_OFFLINE`` unset), like
     ``from_pretrained`` users expect.
     """
+    if not isinstance(model, Path) and not model.strip():  # Path("") is the current folder: its checkpoint was served
+        raise CheckpointError("no model named: give a checkpoint folder, a GGUF file or a hub model id")
     if is_ollama_model(model):
         return resolve_ollama_model(model).resolve()
     if is_gguf_file(Path(model).expanduser()):
@@ -127,10 +136,10 @@ def resolve_model_path(
     if isinstance(model, Path) or Path(model).expanduser().is_dir():
         path = Path(model).expanduser()
         if not path.is_dir():
-            raise CheckpointError(f"checkpoint folder or GGUF file {path} does not exist")
+            raise CheckpointError(_not_a_checkpoint(path))
         return (single_gguf_in(path) or path).resolve()
     if looks_like_local_path(model):
-        raise CheckpointError(f"checkpoint folder or GGUF file {model} does not exist")
+        raise CheckpointError(_not_a_checkpoint(Path(model).expanduser()))
 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError

@@ -131,3 +131,10 @@ def full_context_session_kv_bytes(model_path: Path, lo: int, hi: int, dtype: tor
 
 def megabytes(num_bytes: float) -> float:
     return round(num_bytes / MiB, 3)
+
+
+def shown_mb(num_bytes: float) -> str:
+    """`num_bytes` in MB as a message shows it: one decimal from 1 MB, three significant digits below (one decimal
+    showed a budget of 0.01 MB as "0.0 MB")."""
+    value = num_bytes / MiB
+    return f"{value:.1f}" if value >= 1 else f"{value:.3g}"

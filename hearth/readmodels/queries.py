@@ -1,11 +1,12 @@
 """Read-only queries over the read models that services need (routing candidates, kept prefixes, reputation,
-positions)."""
+positions), and how a model's layer coverage reads (`hearth status`, `hearth host`'s log)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, aliased
@@ -172,3 +173,13 @@ def shard_reputation(session: Session, shard_id: str) -> ShardReputation | None:
 def projection_positions(session: Session, projection: str = PROJECTION_NAME) -> dict[str, int]:
     """The last applied sequence per stream of `projection`."""
     return load_positions(session, projection)
+
+
+def coverage_text(layer_replicas: Iterable[tuple[int, int]]) -> str:
+    """Consecutive layers with the same number of replicas as one run: `0-1 x2, 2-3 x1, 4-5 MISSING`."""
+    runs = []
+    for replicas, run in groupby(layer_replicas, key=lambda pair: pair[1]):
+        layers = [layer for layer, _ in run]
+        span = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else f"{layers[0]}"
+        runs.append(f"{span} MISSING" if replicas == 0 else f"{span} x{replicas}")
+    return ", ".join(runs)

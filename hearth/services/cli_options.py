@@ -193,12 +193,14 @@ def use_metrics_host(ctx: typer.Context, host: str | None) -> None:
 
 def long_running(command: str) -> Callable[[F], F]:
     """Decorate a long-running command: SIGINT/SIGTERM end it with exit code 0 and no traceback in any state
-    (services.common.lifecycle), an unreachable broker ends it with one line naming the URL, exit code 1."""
+    (services.common.lifecycle), an unreachable broker ends it with one line naming the URL, exit code 1, a refusal
+    with one line, exit code 1 (2 for a refusal of its input: CommandInputRefused)."""
 
     def decorate(function: F) -> F:
         @functools.wraps(function)
         def command_body(*args, **kwargs):
             from hearth.services.common.lifecycle import (
+                CommandInputRefused,
                 CommandRefused,
                 StopRequested,
                 end_stopped_process,
@@ -219,7 +221,7 @@ def long_running(command: str) -> Callable[[F], F]:
                 raise typer.Exit(EXIT_BROKER_UNREACHABLE) from None
             except (CommandRefused, StreamsMissing) as error:
                 typer.echo(f"{command}: {error}", err=True)
-                raise typer.Exit(EXIT_REFUSED) from None
+                raise typer.Exit(EXIT_BAD_INPUT if isinstance(error, CommandInputRefused) else EXIT_REFUSED) from None
             except ConfigError as error:  # settings a service read itself (`python -m hearth.services.projector`)
                 typer.echo(f"{command}: {error}", err=True)
                 raise typer.Exit(EXIT_BAD_INPUT) from None
@@ -377,7 +379,7 @@ TorchThreadsOption = Annotated[
 ]
 ReadyFileOption = Annotated[
     Optional[Path],
-    typer.Option("--ready-file", help="Write this file once the process serves (for scripts and tests).",
+    typer.Option("--ready-file", help="Write this file, whole at once, once the process serves (for scripts, tests).",
                  show_default=False),
 ]
 BusyThreadsOption = Annotated[

@@ -77,7 +77,7 @@ def test_a_budget_that_holds_no_layer_is_refused_before_the_broker_is_dialled(mo
 
     monkeypatch.delenv(KV_ENV, raising=False)
     with pytest.raises(ShardRefused, match=r"^a memory budget of 1\.0 MB holds no layer of hearth-tiny-llama: the "
-                                           r"smallest needs 3\.0 MB plus 0\.2 MB kv_cache_budget_mb$"):
+                                           r"smallest needs 3\.0 MB plus 0\.25 MB kv_cache_budget_mb$"):
         asyncio.run(asyncio.wait_for(run_host(
             model=str(MODEL), memory_budget_mb=1.0, nats_url="nats://127.0.0.1:1", settings=HearthSettings(),
             node_id="n1", device="cpu", stop_event=asyncio.Event()), timeout=60))
@@ -93,3 +93,17 @@ def test_a_range_the_host_plans_within_its_budget_is_not_refused_by_the_rounded_
     weights_budget = int(shard.max_memory_mb * MiB) - kv_reserve_bytes(shard)  # as run_host plans it
     assert refusal(0, 1, MemoryNeed(weights_budget, kv_reserve_bytes(shard)), shard, measured=False) is None
     assert refusal(0, 1, MemoryNeed(weights_budget + 1, kv_reserve_bytes(shard)), shard, measured=False)
+
+
+def test_the_plan_a_host_logs_names_its_range_what_it_weighs_against_its_budget_and_the_coverage_it_joined():
+    """The line said "serving layers 0-1 of M in none (coverage: [0, 0, 0, 0, 0, 0])": one number per layer (eighty
+    for a large model), and nothing of the budget the range was chosen within."""
+    from hearth.inference.memory import MiB
+    from hearth.services.host.main import plan_text
+    from hearth.services.host.model_layout import ModelLayout
+    from hearth.services.host.planner import LayerRange
+
+    layout = ModelLayout(total_layers=6, layer_bytes=[MiB // 4] * 6, weights_sha256="00", served_id="tiny")
+    assert plan_text("host-b", LayerRange(2, 3), layout, "int8", int(0.6 * MiB), [1, 1, 0, 0, 0, 0]) == (
+        "host host-b: serving layers 2-3 of tiny in int8 (2 of its 6 layers, 0.5 MB of weights within 0.6 MB: the "
+        "budget less the KV reserve); the mesh held: 0-1 x1, 2-5 MISSING")

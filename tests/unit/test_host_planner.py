@@ -309,3 +309,23 @@ async def test_a_host_that_looked_gone_and_comes_back_makes_nobody_move_back(mes
         await asyncio.wait_for(asyncio.gather(*(
             wait_for_hole(six.coverage(), ranges[node], shard_id, [100] * 6, 250, settings)
             for node, shard_id in held.items())), timeout=1)
+
+
+async def test_layers_served_in_another_scheme_are_named_apart_and_do_not_count(mesh, caplog):
+    """A household whose hosts were started with different --quantize formed a pipeline per scheme, neither whole,
+    and no host said why its coverage looked empty while the mesh served the model."""
+    import logging
+
+    from hearth.services.host.coverage import warn_of_other_schemes
+
+    mesh.add(0, 3, "a", quantization="int8")
+    mesh.add(4, 7, "b", quantization="int8")
+    mesh.add(0, 1, "c")
+    coverage = mesh.coverage()
+    assert await coverage.replicas() == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert await coverage.other_schemes() == {"int8": [1] * LAYERS}
+    with caplog.at_level(logging.WARNING, logger="hearth.services.host.coverage"):
+        await warn_of_other_schemes(coverage, "me")
+    assert caplog.messages == [f"host me: the mesh also serves {MODEL_ID} in int8 (0-7 x1), which this host's none "
+                               "pipelines cannot use: start every host of the model with the same --quantize to pool "
+                               "their layers"]

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -56,6 +57,26 @@ def run_event_loop(coroutine: Coroutine[Any, Any, T]) -> T:
 class CommandRefused(RuntimeError):
     """A command cannot do what it was asked (a model that does not load, a range that does not fit): the
     command line prints the message as one line and exits 1."""
+
+
+class CommandInputRefused(CommandRefused):
+    """What the command was given cannot be used, as found before it starts anything (a model that does not exist, a
+    device or quantization scheme this machine has no kernel for, a memory budget that holds no layer): the command
+    line prints the message as one line and exits 2, as for a usage error."""
+
+
+def write_ready_file(path: str | os.PathLike, text: str) -> None:
+    """Write a process's `--ready-file` whole at once (a file beside it renamed over it): a script or test waiting for
+    it to exist read it empty when it came as the process wrote it, and a `hearth host` rewrites it at every move."""
+    folder, name = os.path.split(os.path.abspath(path))
+    descriptor, staging = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text)
+        os.replace(staging, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
 
 
 class StopRequested(BaseException):

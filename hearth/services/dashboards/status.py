@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hearth.protocol.quarantine import quarantined_nodes
+from hearth.readmodels.queries import coverage_text
 from hearth.services.common.display import display_cell
 from hearth.services.common.sqlite_read_only import open_read_only
 from hearth.services.dashboards.macros import TimeRange, run_panel_sql
@@ -37,16 +38,6 @@ CALLS_BY_OUTCOME_SQL = f"""SELECT status AS outcome, COUNT(*) AS calls, ROUND(AV
        ROUND(AVG(tokens_per_second), 1) AS mean_tokens_per_s, SUM({CHECKED_CALL}) AS checked_calls,
        SUM(verification = 'unmet') AS unmet_calls
 FROM pipelines WHERE {CALLS_IN_RANGE} GROUP BY status ORDER BY calls DESC"""
-
-
-def coverage_text(layer_replicas: list[tuple[int, int]]) -> str:
-    """Consecutive layers with the same number of replicas as one run: `0-1 x2, 2-3 x1, 4-5 MISSING`."""
-    runs = []
-    for replicas, run in groupby(layer_replicas, key=lambda pair: pair[1]):
-        layers = [layer for layer, _ in run]
-        span = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else f"{layers[0]}"
-        runs.append(f"{span} MISSING" if replicas == 0 else f"{span} x{replicas}")
-    return ", ".join(runs)
 
 
 def status_tables(connection: sqlite3.Connection, now_s: int,

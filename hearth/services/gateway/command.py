@@ -62,7 +62,7 @@ async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | N
                       ready_file: Path | None, stop_event: asyncio.Event, metrics_port: int = 0) -> None:
     import uvicorn
 
-    from hearth.services.common.lifecycle import CommandRefused, unless_stopped
+    from hearth.services.common.lifecycle import CommandRefused, unless_stopped, write_ready_file
     from hearth.services.common.metrics import serve_process_metrics
     from hearth.services.broker.connection import connect_nats, drain_or_close
     from hearth.services.gateway.app import create_app
@@ -98,7 +98,7 @@ async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | N
                else "no API key: open mesh")
         print(f"hearth gateway: OPENAI_BASE_URL={url}/v1 ({who})", flush=True)
         if ready_file is not None:
-            ready_file.write_text(url)
+            write_ready_file(ready_file, url)
         stopping = asyncio.ensure_future(stop_event.wait())
         await asyncio.wait((stopping, serving), return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Set
 from nats.aio.client import Client as NatsClient
 from sqlalchemy.orm import sessionmaker
 
-from hearth.readmodels.queries import ShardCandidate
+from hearth.readmodels.queries import ShardCandidate, coverage_text
 from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
 from hearth.services.host.planner import LayerRange, replicas_per_layer
@@ -81,6 +81,15 @@ class CoverageReader:
                    and now - shard.withdrawn_at < within_s and not landed(shard) and heard_from(shard)
                    for shard in ours)
 
+    async def other_schemes(self) -> dict[str, list[int]]:
+        """The live replicas of each layer of these weights under each other quantization scheme than this host's:
+        layers a pipeline of this host's scheme cannot use (it never mixes schemes), however well they are served."""
+        shards, alive = await self._live_shards()
+        schemes = sorted({shard.quantization for shard in shards if shard.weights_sha256 == self.weights_sha256
+                          and shard.quantization != self.quantization and alive(shard)})
+        return {scheme: replicas_per_layer(shards, total_layers=self.total_layers, weights_sha256=self.weights_sha256,
+                                           alive=alive, quantization=scheme) for scheme in schemes}
+
     def _counted(self, shard: ShardCandidate, alive: Callable[[ShardCandidate], bool]) -> bool:
         return (shard.weights_sha256 == self.weights_sha256 and shard.quantization == self.quantization
                 and alive(shard))
@@ -117,3 +126,13 @@ async def earlier_shards_gone(coverage: CoverageReader, nc: NatsClient, node: st
     if gone:
         log.info("host %s: not counting its earlier shards that no longer answer: %s", node, ", ".join(sorted(gone)))
     return gone
+
+
+async def warn_of_other_schemes(coverage: CoverageReader, node: str) -> None:
+    """Say which layers the mesh serves in other schemes than this host's: they do not count toward its coverage (a
+    pipeline never mixes schemes), so hosts of one household started with different `--quantize` each cover the model
+    in their own scheme, and together perhaps in none."""
+    for scheme, replicas in (await coverage.other_schemes()).items():
+        log.warning("host %s: the mesh also serves %s in %s (%s), which this host's %s pipelines cannot use: start "
+                    "every host of the model with the same --quantize to pool their layers", node, coverage.model_id,
+                    scheme, coverage_text(enumerate(replicas)), coverage.quantization)

@@ -31,8 +31,10 @@ from hearth.events.streams import SHARDS_STREAM
 from hearth.inference import InferenceError
 from hearth.inference.cache_ranges import release_range
 from hearth.inference.devices import device_memory_available_bytes
-from hearth.inference.memory import MiB, megabytes
+from hearth.inference.checkpoint import looks_like_local_path
+from hearth.inference.memory import MiB, shown_mb
 from hearth.readmodels.catch_up import read_model_caught_up
+from hearth.readmodels.queries import coverage_text
 from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
@@ -42,10 +44,13 @@ from hearth.services.common.lifecycle import Stopped, event_within, unless_stopp
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
-from hearth.services.host.coverage import MOVED, CoverageReader, coverage_from, earlier_shards_gone
-from hearth.services.host.model_layout import model_layout
+from hearth.services.host.coverage import (
+    MOVED, CoverageReader, coverage_from, earlier_shards_gone, warn_of_other_schemes,
+)
+from hearth.services.host.model_layout import ModelLayout, model_layout
 from hearth.services.host.planner import LayerRange, better_range, choose_range
 from hearth.services.shard.main import (
+    ShardInputRefused,
     ShardRefused,
     configure_torch_threads,
     default_node_id,
@@ -171,8 +176,11 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     except Stopped:
         raise
     except (InferenceError, WeightsStoreError, ValueError, KeyError, OSError) as error:
-        raise ShardRefused(f"cannot plan a range of {model}: {(str(error).splitlines() or [repr(error)])[0]}") \
-            from None
+        # A model of this machine's (a folder, a GGUF, an Ollama model) that cannot be read is the caller's input (exit
+        # 2); a hub or store model may be unreadable for now (the network, the broker).
+        local = looks_like_local_path(model) or not model.strip() or Path(model).expanduser().exists()
+        refused = ShardRefused if isinstance(error, OSError) or not local else ShardInputRefused
+        raise refused(f"cannot plan a range of {model}: {(str(error).splitlines() or [repr(error)])[0]}") from None
     except Exception as error:  # the broker's refusals and timeouts while reading the store's manifest
         raise ShardRefused(f"cannot read {model} from the store: {type(error).__name__}: {error}") from None
     total_layers, layer_bytes, served_id = layout.total_layers, layout.layer_bytes, layout.served_id
@@ -180,9 +188,9 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     budget_bytes = await planned_budget_bytes(shard, compute_device, node)
     weights_budget = budget_bytes - kv_reserve_bytes(shard)
     if not any(size <= weights_budget for size in layer_bytes):  # whatever the mesh serves: said before dialling
-        raise ShardRefused(
-            f"a memory budget of {megabytes(budget_bytes):.1f} MB holds no layer of {served_id}: the smallest needs "
-            f"{megabytes(min(layer_bytes, default=0)):.1f} MB plus {shard.kv_cache_budget_mb:.1f} MB "
+        raise ShardInputRefused(
+            f"a memory budget of {shown_mb(budget_bytes)} MB holds no layer of {served_id}: the smallest needs "
+            f"{shown_mb(min(layer_bytes, default=0))} MB plus {shown_mb(kv_reserve_bytes(shard))} MB "
             "kv_cache_budget_mb")
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
     metrics_server = None
@@ -204,12 +212,13 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             # A run of this host that crashed left its advert alive until the health timeout: counted, its layers
             # would pass for held and the host would choose others, leaving them held by nobody.
             gone = await unless_stopped(earlier_shards_gone(coverage, nc, node, settings), stop_event)
+            await warn_of_other_schemes(coverage, node)
             chosen = choose_range(await coverage.replicas(leave_out=gone), layer_bytes, weights_budget)
             taken: set[LayerRange] = set()
             arriving: Move | None = None  # the move this host is making to serve `chosen`
             while chosen is not None and not stop_event.is_set():  # None: stopped (a layer fits, checked above)
-                log.info("host %s: serving layers %s of %s in %s (coverage: %s)", node, chosen, served_id,
-                         scheme.label, await coverage.replicas())
+                log.info("%s", plan_text(node, chosen, layout, scheme.label, weights_budget,
+                                         await coverage.replicas(leave_out=gone)))
                 try:
                     move = await _serve_until_moved(chosen, coverage, nc, model=model, model_id=served_id,
                                                     node=node, settings=settings, device=device, dtype=dtype,
@@ -230,6 +239,16 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             if metrics_server is not None:
                 metrics_server.stop()
             await drain_or_close(nc, settings.nats.drain_timeout_s)
+
+
+def plan_text(node: str, chosen: LayerRange, layout: ModelLayout, scheme: str, weights_budget: int,
+              replicas: list[int]) -> str:
+    """What a host says it serves, and why: its range, what the range weighs against its budget, and which layers the
+    mesh held before (before, a list of one count per layer: eighty numbers for a large model)."""
+    weights = sum(layout.layer_bytes[layer] for layer in chosen.layers())
+    return (f"host {node}: serving layers {chosen} of {layout.served_id} in {scheme} ({len(chosen.layers())} of its "
+            f"{layout.total_layers} layers, {shown_mb(weights)} MB of weights within {shown_mb(weights_budget)} MB: "
+            f"the budget less the KV reserve); the mesh held: {coverage_text(enumerate(replicas))}")
 
 
 async def range_besides_taken(coverage: CoverageReader, taken: Set[LayerRange], gone: Set[str],

@@ -10,7 +10,7 @@ from hearth.events.outbox_file import OutboxFileUnavailable
 from hearth.readmodels.db import ReadModelUnusable
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.hearth_files import state_dir
-from hearth.services.common.lifecycle import CommandRefused, Stopped, unless_stopped
+from hearth.services.common.lifecycle import CommandRefused, Stopped, unless_stopped, write_ready_file
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close
 from hearth.services.orchestrator.catalog import LocalModelUnusable, ModelCatalog, UnknownModel, is_hub_id, stored_name
@@ -112,8 +112,7 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
                 raise CommandRefused(f"--local-model {options.local_model}: {error}") from None
         print(f"orchestrator {options.node_id} ready", flush=True)
         if ready_file:
-            with open(ready_file, "w") as handle:
-                handle.write(options.node_id)
+            write_ready_file(ready_file, options.node_id)
         try:  # until stopped, or until its read model is found damaged: routing on it would go stale, so one line
             await unless_stopped(orchestrator.projector.found_unusable.wait(), stop_event)
         except Stopped:

@@ -15,7 +15,7 @@ from hearth.readmodels.runner import Projector
 from hearth.services.common.config import NatsSettings, ReadModelSettings
 from hearth.services.common.config_sections import MetricsSettings
 from hearth.services.common.event_trust import stream_setup
-from hearth.services.common.lifecycle import CommandRefused, Stopped, unless_stopped
+from hearth.services.common.lifecycle import CommandRefused, Stopped, unless_stopped, write_ready_file
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import close_quietly, connect_nats, drain_or_close
 from hearth.services.projector.metrics import ProjectorCollector
@@ -73,7 +73,7 @@ async def run_projector(
         metrics_server = serve_process_metrics(metrics_port, "projector", host=metrics_host or MetricsSettings().host,
                                                registry=registry)
         if ready_file:
-            Path(ready_file).write_text("projector")
+            write_ready_file(ready_file, "projector")
         try:  # until stopped, or until the file is found damaged: then one line and exit 1, for a rebuild
             await unless_stopped(projector.found_unusable.wait(), stop_event)
         except Stopped:

@@ -26,7 +26,8 @@ from hearth.inference.quantization import (
 from hearth.services.common.config import HearthSettings, HostSettings
 from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
 from hearth.services.common.lifecycle import (
-    CommandRefused, Stopped, restart_stop_deadline, stop_again_event, unless_stopped,
+    CommandInputRefused, CommandRefused, Stopped, restart_stop_deadline, stop_again_event, unless_stopped,
+    write_ready_file,
 )
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
@@ -45,6 +46,11 @@ _layer_range_re = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 class ShardRefused(CommandRefused):
     """This host may not serve the asked range (its configuration forbids it, or it does not fit)."""
+
+
+class ShardInputRefused(ShardRefused, CommandInputRefused):
+    """What the shard was given cannot be used here, found before anything starts (a device this machine has not, a
+    scheme it has no kernel for): exit code 2."""
 
 
 def with_overrides(settings: HearthSettings, *, max_streams: int | None, heartbeat_s: float | None,
@@ -91,21 +97,22 @@ class LoadedShard:
 
 
 def resolve_compute(device: str | None, dtype: str | None, host: HostSettings) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype from the command line, else the host settings; ShardRefused when not available here."""
+    """The device and dtype from the command line, else the host settings; ShardInputRefused when not available
+    here."""
     try:
         return resolve_placement(device or host.device, dtype or host.dtype)
     except ValueError as error:
-        raise ShardRefused(str(error)) from None
+        raise ShardInputRefused(str(error)) from None
 
 
 def resolve_quantization(quantize: str | None, host: HostSettings, device: torch.device) -> QuantizationScheme:
-    """The weight quantization scheme from the command line, else the host settings; ShardRefused when it is
+    """The weight quantization scheme from the command line, else the host settings; ShardInputRefused when it is
     malformed or `device` has no kernel for it."""
     try:
         scheme = parse_quantization(quantize or host.quantize)
         check_device_supports(scheme, device)
     except QuantizationError as error:
-        raise ShardRefused(f"--quantize: {_first_line(error)}") from None
+        raise ShardInputRefused(f"--quantize: {_first_line(error)}") from None
     return scheme
 
 
@@ -296,8 +303,7 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
               f"{identity.weights_sha256[:12]}, {identity.device_kind} {identity.dtype}, quantization "
               f"{identity.quantization}, {identity.memory_required_mb:.1f} MB)", flush=True)
         if ready_file:
-            with open(ready_file, "w") as handle:
-                handle.write(shard_id)
+            write_ready_file(ready_file, shard_id)
         if serving is not None:
             serving.set()
         # A connection nats-py closed for good would leave the shard advertised but unreachable: it stops instead. So
