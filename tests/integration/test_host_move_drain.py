@@ -18,7 +18,8 @@ from hearth.protocol.control import CloseHop, ControlReply, OpenHop, ShardStat, 
 from hearth.protocol.subjects import shard_control_subject, shard_id_for
 from hearth.services.broker.connection import connect_nats
 from hearth.services.common.config import HearthSettings
-from hearth.services.host.main import Move, _serve_until_moved, heartbeats_while_moving
+from hearth.services.host.main import _serve_until_moved
+from hearth.services.host.moving import Move, heartbeats_while_moving
 from hearth.services.host.planner import LayerRange
 from hearth.services.shard.kept_events import shard_outbox, start_outbox
 from hearth.services.shard.metrics import ServingStats

@@ -63,7 +63,7 @@ class CoverageReader:
         """Whether a host is moving: it withdrew a range of these weights and scheme as MOVED under `within_s` ago,
         its node has advertised no other range since (it drains, then loads the new one, a hole until then), and it
         is still heard from: the moving host heartbeats the range it left until the new one is advertised
-        (host.main.heartbeats_while_moving), so one killed mid-move holds the others back for the health timeout,
+        (host.moving.heartbeats_while_moving), so one killed mid-move holds the others back for the health timeout,
         as a killed host's range does, not for `within_s`."""
         shards, _ = await self._live_shards()
         now = self.router.now()

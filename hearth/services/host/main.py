@@ -19,14 +19,12 @@ import logging
 import random
 import time
 from collections.abc import Set
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from nats.aio.client import Client as NatsClient
 
 from hearth.events.models import ShardWithdrawn
-from hearth.events.publish import publish_event
 from hearth.events.streams import SHARDS_STREAM
 from hearth.inference import InferenceError
 from hearth.inference.cache_ranges import release_range
@@ -39,8 +37,8 @@ from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
-from hearth.services.common.event_trust import event_signing_key, event_verifier, stream_setup
-from hearth.services.common.lifecycle import Stopped, event_within, unless_stopped
+from hearth.services.common.event_trust import event_verifier, stream_setup
+from hearth.services.common.lifecycle import Stopped, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
@@ -48,6 +46,7 @@ from hearth.services.host.coverage import (
     MOVED, CoverageReader, coverage_from, earlier_shards_gone, warn_of_other_schemes,
 )
 from hearth.services.host.model_layout import ModelLayout, model_layout
+from hearth.services.host.moving import Move, heartbeats_while_moving, say_move_abandoned
 from hearth.services.host.planner import LayerRange, better_range, choose_range
 from hearth.services.shard.main import (
     ShardInputRefused,
@@ -60,22 +59,10 @@ from hearth.services.shard.main import (
     serve_loaded_shard,
 )
 from hearth.services.shard.claim import ShardIdTaken
-from hearth.services.shard.kept_events import say_once_alone, shard_outbox_dir
 from hearth.services.shard.memory_plan import kv_reserve_bytes
-from hearth.services.shard.metrics import ServingStats
 from hearth.services.weights_store import WeightsStoreError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Move:
-    """A move decided and drained: the range to serve next, the shard left for it (withdrawn as MOVED) and the
-    figures that shard served with (its heartbeats go on while the host moves: heartbeats_while_moving)."""
-
-    to: LayerRange
-    left: str
-    served: ServingStats
 
 
 # A KV reserve left at its default takes at most this share of a `--memory-budget-mb` (the default alone can exceed
@@ -370,34 +357,3 @@ async def _serve_range(chosen: LayerRange, coverage: CoverageReader, nc: NatsCli
     if lost:
         raise lost[0]
     return Move(moved[0], shard_id, served) if moving() else None
-
-
-async def heartbeats_while_moving(nc: NatsClient, settings: HearthSettings, node: str, move: Move,
-                                  landed: asyncio.Event) -> None:
-    """Heartbeats of the shard `move` left (withdrawn as MOVED: routing does not count it), with the figures it served
-    with and no stream open, every `[shard] heartbeat_interval_s` from now until `landed` (the new range
-    advertised): they say the host is still moving (it drains, then loads, perhaps fetching), and the hosts holding
-    their own moves meanwhile (CoverageReader.move_under_way) go on once they stop, after the health timeout (the
-    host was killed), not after `move_wait_max_s`. The drain's heartbeats are the shard's own (ShardServer)."""
-    js, signing_key = nc.jetstream(), event_signing_key(settings.nats)
-    while not landed.is_set():
-        beat = move.served.heartbeat(node, move.left)
-        try:  # publish_event keeps a cancellation that lands as its ack does (events.cancellation)
-            await publish_event(js, beat, signing_key=signing_key)
-        except Exception as error:  # the broker may be restarting; the next beat tries again
-            log.warning("host %s: heartbeat of %s while moving not published: %s", node, move.left, error)
-        await event_within(landed, settings.shard.heartbeat_interval_s)
-
-
-async def say_move_abandoned(nc: NatsClient, settings: HearthSettings, withdrawal: ShardWithdrawn) -> bool:
-    """Say `withdrawal`: a shard withdrawn as MOVED, withdrawn again as a shutdown: the move will not land (the host
-    stops, or the new range did not load), and hosts waiting for it (CoverageReader.move_under_way) decide again
-    now, not after `move_wait_max_s`. Whether the broker stored it within `[shard] withdraw_timeout_s`."""
-    try:  # kept in the shard outbox until stored (said once): a broker gone now takes it later, from this node
-        return await say_once_alone(nc, withdrawal, folder=shard_outbox_dir(settings),
-                                    node_id=withdrawal.node_id, signing_key=event_signing_key(settings.nats),
-                                    timeout_s=settings.shard.withdraw_timeout_s)
-    except Exception as error:  # no outbox file: they wait at most move_wait_max_s then
-        log.warning("host %s: could not say that its move from %s is abandoned: %s", withdrawal.node_id,
-                    withdrawal.shard_id, error)
-        return False
