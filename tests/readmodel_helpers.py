@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import contextlib
 import itertools
+import sqlite3
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -203,3 +205,17 @@ class PoisonedProjection(ReadModelProjection):
             self.raised += 1
             raise self.error
         return super().handle(event, rows)
+
+
+def with_a_damaged_table(path: Path, table: str) -> Path:
+    """A migrated read model whose `table`'s root page is overwritten: SQLite opens the file and reads its schema,
+    and finds it malformed only on touching that table."""
+    upgrade_database(path)
+    with contextlib.closing(sqlite3.connect(path)) as connection:
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        root = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()[0]
+        page_size = connection.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    data[(root - 1) * page_size:root * page_size] = b"\x07" * page_size
+    path.write_bytes(bytes(data))
+    return path

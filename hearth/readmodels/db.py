@@ -41,7 +41,9 @@ _storage_fault_codes = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY, 
 class ReadModelUnusable(RuntimeError):
     """A read-model file this hearth cannot use as it is (not a SQLite database, damaged, of a newer schema or of none,
     or not writable now: a full disk, a read-only file, another writer holding it); the message is one line naming the
-    file, and the file is left as it was."""
+    file, and the file is left as it was. `sqlite_said`: SQLite's own words, for a file it found damaged."""
+
+    sqlite_said: str | None = None
 
 
 def damaged_file(path: object, error: BaseException) -> ReadModelUnusable | None:
@@ -51,8 +53,11 @@ def damaged_file(path: object, error: BaseException) -> ReadModelUnusable | None
     code = getattr(cause, "sqlite_errorcode", None)
     if code is None or code & 0xFF not in _unreadable_file_codes:  # extended codes keep the primary in the low byte
         return None
-    return ReadModelUnusable(f"{path}: not a read-model database SQLite can read ({cause}); rebuild it from the event "
-                             f"log (hearth-replay rebuild --db {path} --force; move it aside first to keep it)")
+    unusable = ReadModelUnusable(
+        f"{path}: not a read-model database SQLite can read ({cause}); rebuild it from the event log "
+        f"(hearth-replay rebuild --db {path} --force; move it aside first to keep it)")
+    unusable.sqlite_said = str(cause)
+    return unusable
 
 
 @contextlib.contextmanager

@@ -13,9 +13,10 @@ applies each batch in a worker thread in ONE transaction (rows + positions). A f
 gone) starts again from the last sequence it handed over; an applier whose transaction fails reloads the positions
 from the database and restarts the followers from there, so nothing is lost or applied twice. A batch that fails on
 a message's content is applied message by message instead, and the one no handler can apply is recorded as rejected
-(readmodels.unapplicable); a file SQLite finds damaged is no batch's: said in one line, nothing more is applied, and
-`found_unusable` set for the owner to end. A stream deleted and created again is told by its creation time and reported
-(readmodels.stream_identity, `replaced_streams`), for a rebuild. With a retention policy, a third task prunes
+(readmodels.unapplicable); a file SQLite finds damaged is no batch's: nothing more is applied, `found_unusable` is set
+for the owner to say in one line what it does (end, or rebuild a scratch file: services/host/coverage_model.py). A
+stream deleted and created again is told by its creation time and reported (readmodels.stream_identity,
+`replaced_streams`), for a rebuild. With a retention policy, a third task prunes
 history every `prune_interval_s` (readmodels.retention), in short transactions taken in turn with the applier's.
 """
 
@@ -368,9 +369,8 @@ class Projector:
         if not task.cancelled() and (damaged := damaged_file(self.db_path, task.exception())) is not None:
             self._give_up(damaged)
 
-    def _give_up(self, damaged: ReadModelUnusable) -> None:  # said once, in one line; nothing more is applied
+    def _give_up(self, damaged: ReadModelUnusable) -> None:  # nothing more is applied; said by the owner, which acts
         if self.unusable is None:
-            log.error("projector: %s", damaged)
             self.unusable = damaged
             self.found_unusable.set()
 

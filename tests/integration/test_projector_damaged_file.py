@@ -16,30 +16,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from hearth.events.publish import publish_event
-from hearth.readmodels.db import upgrade_database
 from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.projector.main import run_projector
 from tests.event_streams import jetstream_with_streams
-from tests.readmodel_helpers import constructed
+from tests.readmodel_helpers import constructed, with_a_damaged_table
 
 pytestmark = pytest.mark.integration
 
 wait_timeout_s = 20.0
 HEARTH = str(Path(sys.executable).parent / "hearth")
-
-
-def with_a_damaged_table(path: Path, table: str) -> Path:
-    """A migrated read model whose `table`'s root page is overwritten: SQLite opens the file and reads its schema,
-    and finds it malformed only on touching that table."""
-    upgrade_database(path)
-    with contextlib.closing(sqlite3.connect(path)) as connection:
-        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        root = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()[0]
-        page_size = connection.execute("PRAGMA page_size").fetchone()[0]
-    data = bytearray(path.read_bytes())
-    data[(root - 1) * page_size:root * page_size] = b"\x07" * page_size
-    path.write_bytes(bytes(data))
-    return path
 
 
 async def refusal_of(path: Path, nats_url: str) -> str:

@@ -1,6 +1,7 @@
 """Unit tests of FairQueue (hearth/services/orchestrator/queue.py): round-robin by caller, per-caller limit, the bound,
-positions, calls that leave while waiting, and each caller's shares (running places below the total, its part
-of the queue, room taken back from the caller waiting with the most when the queue is full)."""
+positions, calls that leave while waiting or whose client went unheard by their turn, and each caller's shares
+(running places below the total, its part of the queue, room taken back from the caller waiting with the most when
+the queue is full)."""
 
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ class Recorder:
         self._release: dict[str, asyncio.Event] = {}
         self.tasks: dict[str, asyncio.Task] = {}
 
-    def submit(self, name: str, caller: str | None, gone: asyncio.Event | None = None) -> asyncio.Task:
+    def submit(self, name: str, caller: str | None, gone: asyncio.Event | None = None,
+               client=None) -> asyncio.Task:
         self._release[name] = asyncio.Event()
 
         async def told(position: int, queued: int) -> None:
             self.positions.setdefault(name, []).append(position)
 
         async def call() -> str:
-            async with self.queue.place(caller, told, gone):
+            async with self.queue.place(caller, told, gone, client=client):
                 self.started.append(name)
                 await self._release[name].wait()
             return name
@@ -279,3 +281,39 @@ async def test_an_unsigned_call_never_waits_for_more_places_than_there_are():
     release.set()
     await asyncio.wait_for(hold(queue, None, 8, started, release), timeout=5)
     assert started == [(None, 2)]
+
+
+class ClientUnheardOnce:
+    """A waited call's client that nobody hears at its turn, then listens again once `back` is set."""
+
+    def __init__(self) -> None:
+        self.back = asyncio.Event()
+        self.asked = 0
+
+    async def unheard(self) -> bool:
+        self.asked += 1
+        return self.asked == 1
+
+    async def back_or_gone(self) -> bool:
+        await self.back.wait()
+        return True
+
+
+async def test_a_call_whose_client_is_unheard_at_its_turn_lets_the_next_run_and_waits_first_in_its_lane():
+    recorder = Recorder(fair_queue())
+    client = ClientUnheardOnce()
+    recorder.submit("running", "alice")
+    await settle()
+    recorder.submit("unheard", "bob", client=client)
+    recorder.submit("bob-after", "bob")
+    recorder.submit("carol", "carol")
+    await settle()
+    await recorder.finish("running")
+    assert recorder.started == ["running", "carol"]  # the unheard call's place went on at once
+    client.back.set()
+    await settle()
+    await recorder.finish("carol")
+    await recorder.finish("unheard")  # back, it went before its caller's later call
+    await recorder.finish("bob-after")
+    assert recorder.started == ["running", "carol", "unheard", "bob-after"]
+    assert recorder.queue.running == 0 and recorder.queue.queued == 0

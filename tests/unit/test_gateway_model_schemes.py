@@ -1,6 +1,7 @@
 """The gateway on a mesh serving several models: `/v1/models` lists the models served whole now (or runnable locally),
 each with the weight schemes `hearth.quantization` may name (`hearth_quantizations`, kept by OpenAI's client as an
-extra field), and a call naming no model there is a 400 naming `model`."""
+extra field), and a call naming no model there is a 400 naming `model`; retrieving a model the mesh knows but does not
+serve whole now is a 503 `shard_unavailable`, as a call for it is, not a 404 saying it does not exist."""
 
 from __future__ import annotations
 
@@ -47,3 +48,16 @@ async def test_a_call_naming_no_model_on_a_mesh_of_several_is_400_naming_model()
     error = response.json()["error"]
     assert (response.status_code, error["code"], error["param"]) == (400, "bad_request", "model"), error
     assert WHOLE in error["message"] and scripted.received[0].model is None
+
+
+async def test_a_model_with_a_hole_is_retrieved_as_503_shard_unavailable_as_a_call_for_it_is_answered():
+    transport = httpx2.ASGITransport(app=create_app(TwoModelGateway()))
+    async with httpx2.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        with_a_hole = await http.get(f"/v1/models/{WITH_A_HOLE}")
+        unknown = await http.get("/v1/models/never-served")
+    error = with_a_hole.json()["error"]
+    # It exists (OpenAI's clients take 404 for "no such model"), but is not served whole now: the call's answer.
+    assert (with_a_hole.status_code, error["code"], error["type"]) == (
+        503, "shard_unavailable", "service_unavailable_error"), error
+    assert with_a_hole.headers["retry-after"] and "0-2" in error["message"] and "does not exist" not in error["message"]
+    assert (unknown.status_code, unknown.json()["error"]["code"]) == (404, "model_not_found")

@@ -31,11 +31,12 @@ from starlette.routing import Route
 
 from hearth.protocol.chat import BadRequest
 from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame
+from hearth.protocol.discovery import ServedModel
 from hearth.services.client.chat import AnswerTokens
 from hearth.services.gateway.answers import AnswerShape, ChatShape, CompletionShape
 from hearth.services.gateway.answer_delivery import AnswerDelivery, SseResponse
 from hearth.services.gateway.errors import (
-    GatewayError, from_frame, refusal_of, too_large, unforeseen, unknown_model,
+    GatewayError, from_frame, not_served_whole, refusal_of, too_large, unforeseen, unknown_model,
 )
 from hearth.services.gateway.http_metrics import MODEL_ROUTE_PREFIX, MetricsMiddleware
 from hearth.services.gateway.mesh import ClientGone, Gateway, MeshCall, unless_disconnected
@@ -66,6 +67,15 @@ class Health(BaseModel):
     open_calls: int
 
 
+def _servable(model: ServedModel) -> bool:
+    """Whether a call for `model` can be served now: live shards cover every layer, or an orchestrator runs it whole."""
+    return model.complete or model.runnable_locally
+
+
+def _card(model: ServedModel) -> ModelCard:
+    return ModelCard(id=model.id, hearth_quantizations=model.quantizations if model.complete else [])
+
+
 class GatewayApp(AnswerDelivery):
     """The routes' handlers over one Gateway."""
 
@@ -86,20 +96,27 @@ class GatewayApp(AnswerDelivery):
         return JSONResponse(ModelList(data=servable).model_dump())
 
     async def model(self, request: Request) -> Response:
-        """GET /v1/models/{model}: one model of the list, or 404 `model_not_found`."""
+        """GET /v1/models/{model}: one model of the list; 404 `model_not_found` for one the mesh does not know, 503
+        `shard_unavailable` (a call's answer for it) for one it knows but cannot serve whole now."""
         model_id = request.path_params["model"]
         try:
             if not model_id:  # /v1/models/: no model named, so no such path
                 raise GatewayError(404, "not_found", f"GET {request.url.path}: Not Found")
-            card = next((card for card in await self._servable_models(request) if card.id == model_id), None)
-            if card is None:
+            model = next((model for model in await self._mesh_models(request) if model.id == model_id), None)
+            if model is None:
                 raise unknown_model(model_id)
+            if not _servable(model):
+                raise not_served_whole(model, self.gateway.settings.gateway.retry_after_s)
         except GatewayError as error:
             return error.response()
-        return JSONResponse(card.model_dump())
+        return JSONResponse(_card(model).model_dump())
 
     async def _servable_models(self, request: Request) -> list[ModelCard]:
         """The models the mesh can serve now, asked for by the request's caller."""
+        return [_card(model) for model in await self._mesh_models(request) if _servable(model)]
+
+    async def _mesh_models(self, request: Request) -> list[ServedModel]:
+        """Every model the mesh knows of (served whole now or not), asked for by the request's caller."""
         try:
             caller = self.gateway.caller(request.headers.get("authorization"))
             with self.gateway.open_call(caller):  # each asks the mesh: within the member's share of calls
@@ -109,8 +126,7 @@ class GatewayApp(AnswerDelivery):
             raise
         except Exception as error:
             raise self._unforeseen(request.url.path, error) from None
-        return [ModelCard(id=model.id, hearth_quantizations=model.quantizations if model.complete else [])
-                for model in reply.models if model.complete or model.runnable_locally]
+        return reply.models
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._answer(request, ChatCompletionRequest, ChatShape, "chatcmpl-")

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse
 
 from hearth.protocol.chat import BadRequest
 from hearth.protocol.chat_frames import ErrorFrame, PipelineAbortedFrame, TokensWithdrawnFrame
+from hearth.protocol.discovery import ServedModel
 from hearth.protocol.refusals import (
     ARRAY_TOO_LONG, CONTEXT_EXCEEDED, OVER_MAX_REQUEST_BYTES, STRING_TOO_LONG, RefusalReason,
 )
@@ -119,6 +120,14 @@ def _worded_refusal(message: str) -> tuple[str | None, RefusalReason | None]:
 def unknown_model(model: str) -> GatewayError:
     return GatewayError(404, "model_not_found", f"the model {model!r} does not exist on this mesh; GET /v1/models "
                                                 "lists the ones it can serve", param="model")
+
+
+def not_served_whole(model: ServedModel, retry_after_s: float) -> GatewayError:
+    """503 `shard_unavailable` for a model the mesh knows but whose layers live shards do not all cover now: what a
+    call for it is answered (a 404 would tell OpenAI's clients it does not exist)."""
+    covered = ", ".join(f"{lo}-{hi}" for lo, hi in model.covered_layers) or "none"
+    return unavailable("shard_unavailable", f"the model {model.id!r} exists on this mesh, but live shards do not "
+                       f"cover all its {model.total_layers} layers now (covered: {covered})", retry_after_s)
 
 
 def unauthenticated(message: str) -> GatewayError:

@@ -11,11 +11,10 @@ import logging
 from collections.abc import Awaitable, Callable, Set
 
 from nats.aio.client import Client as NatsClient
-from sqlalchemy.orm import sessionmaker
 
 from hearth.readmodels.queries import ShardCandidate, coverage_text
-from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
+from hearth.services.host.coverage_model import CoverageModel
 from hearth.services.host.planner import LayerRange, replicas_per_layer
 from hearth.services.orchestrator.router import ShardRouter
 from hearth.services.transport.probe import ProbeOutcome, probe_outcome
@@ -103,14 +102,14 @@ class CoverageReader:
         return shards, lambda shard: self.router.alive(shard, now)
 
 
-def coverage_from(projector: Projector, settings: HearthSettings, node_id: str, **model) -> CoverageReader:
-    """A CoverageReader over this host's own projector (started)."""
-    router = ShardRouter(sessionmaker(projector.engine), allow_self_as_shard=True, self_node_id=node_id,
+def coverage_from(model_view: CoverageModel, settings: HearthSettings, node_id: str, **model) -> CoverageReader:
+    """A CoverageReader over this host's own read model (started)."""
+    router = ShardRouter(model_view.session, allow_self_as_shard=True, self_node_id=node_id,
                          health_timeout_s=settings.research.distributed_inference.shard_health_timeout_s,
                          silent_log_grace_s=settings.research.distributed_inference.silent_log_grace_s,
-                         read_model_version=lambda: projector.batches_total)
+                         read_model_version=model_view.version)
     timeout_s = settings.orchestrator.catch_up_timeout_s
-    return CoverageReader(router, catch_up=lambda: projector.wait_until_caught_up(timeout_s=timeout_s), **model)
+    return CoverageReader(router, catch_up=lambda: model_view.wait_until_caught_up(timeout_s=timeout_s), **model)
 
 
 async def earlier_shards_gone(coverage: CoverageReader, nc: NatsClient, node: str,

@@ -7,7 +7,8 @@ The model may be a folder, a GGUF file, a hub id or `store:NAME`: its layers' si
 model_layout.py before anything is fetched, and only the chosen range is then downloaded or fetched.
 
 Coverage comes from a read model this process keeps itself (an in-process projector of the shard events on a
-temporary SQLite file), read as hearth/services/host/coverage.py says. A move withdraws the old range at once, lets
+temporary SQLite file, rebuilt from the log if SQLite finds it damaged: hearth/services/host/coverage_model.py), read
+as hearth/services/host/coverage.py says. A move withdraws the old range at once, lets
 the calls going through it end, then loads the new one; the others wait for it meanwhile, while they hear its
 heartbeats of the range it left (heartbeats_while_moving).
 """
@@ -25,7 +26,6 @@ import torch
 from nats.aio.client import Client as NatsClient
 
 from hearth.events.models import ShardWithdrawn
-from hearth.events.streams import SHARDS_STREAM
 from hearth.inference import InferenceError
 from hearth.inference.cache_ranges import release_range
 from hearth.inference.devices import device_memory_available_bytes
@@ -33,11 +33,8 @@ from hearth.inference.checkpoint import looks_like_local_path
 from hearth.inference.memory import MiB, shown_mb
 from hearth.readmodels.catch_up import read_model_caught_up
 from hearth.readmodels.queries import coverage_text
-from hearth.readmodels.retention import retention_policy
-from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
-from hearth.services.common.event_trust import event_verifier, stream_setup
 from hearth.services.common.lifecycle import Stopped, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.common.scratch_folders import ScratchFolder
@@ -47,6 +44,7 @@ from hearth.services.host.coverage import (
 )
 from hearth.services.host.model_layout import ModelLayout, model_layout
 from hearth.services.host.moving import Move, heartbeats_while_moving, say_move_abandoned
+from hearth.services.host.coverage_model import CoverageModel
 from hearth.services.host.planner import LayerRange, better_range, choose_range
 from hearth.services.shard.main import (
     ShardInputRefused,
@@ -182,19 +180,17 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
     metrics_server = None
     with ScratchFolder("hearth-host-") as folder:
-        projector = Projector(Path(folder) / "coverage.sqlite", nc.jetstream(), streams=(SHARDS_STREAM,),
-                              retention=retention_policy(settings.readmodels),
-                              verifier=event_verifier(settings), stream_setup=stream_setup(settings.nats))
+        model_view = CoverageModel(Path(folder), nc.jetstream(), settings)
         try:
             # Served once for the host's life: its figures carry on across a move (the range is a label).
             metrics_server = serve_process_metrics(metrics_port, f"host {node}", host=settings.metrics.host)
             # Each step before serving ends at a stop (SIGTERM), through the shutdown below.
-            await unless_stopped(projector.start(), stop_event)
+            await unless_stopped(model_view.start(), stop_event)
             # The first choice reads the whole log first (its live adverts come last): within the short catch-up of
             # later reads, a long log left it choosing as if no host served any layer.
-            await unless_stopped(read_model_caught_up(projector, settings.orchestrator.start_catch_up_timeout_s,
+            await unless_stopped(read_model_caught_up(model_view, settings.orchestrator.start_catch_up_timeout_s,
                                                       going_on="choosing layers on what it has read"), stop_event)
-            coverage = coverage_from(projector, settings, node, model_id=served_id, weights_sha256=digest,
+            coverage = coverage_from(model_view, settings, node, model_id=served_id, weights_sha256=digest,
                                      total_layers=total_layers, quantization=scheme.label)
             # A run of this host that crashed left its advert alive until the health timeout: counted, its layers
             # would pass for held and the host would choose others, leaving them held by nobody.
@@ -222,7 +218,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
                     log.warning("host %s: another process of this node serves layers %s: choosing again", node,
                                 ", ".join(map(str, sorted(taken, key=lambda taken_range: taken_range.lo))))
         finally:
-            await projector.stop()
+            await model_view.stop()
             if metrics_server is not None:
                 metrics_server.stop()
             await drain_or_close(nc, settings.nats.drain_timeout_s)

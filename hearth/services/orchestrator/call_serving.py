@@ -123,7 +123,7 @@ class CallServing:
         ran = False
         try:
             async with client.final_frame_last(), self.queue.place(caller, client.tell_position, client.client_gone,
-                                                                   pipelines=request.n) as admission:
+                                                                   pipelines=request.n, client=client) as admission:
                 try:
                     prompt_ids = await admit_prompt(request, model)
                 except BadRequest as error:

@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 
 from hearth.protocol.chat_frames import KeepaliveFrame, QueuedFrame, TokenDeltaFrame
 from hearth.services.broker.connection import NO_RESPONDERS_STATUS, answers_ping
+from hearth.services.common.lifecycle import event_within
 from hearth.services.orchestrator.metrics import final_frame_code
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,29 @@ class ClientStream:
             return False
         self._missing_since = None
         return True
+
+    async def unheard(self) -> bool:
+        """Whether nobody listens on the client's inbox now: a keepalive to it came back "no responders" (a probe
+        that got no answer in time proves nothing). Asked when a queued call's turn comes (FairQueue.place)."""
+        missed = self._missed_frames
+        try:
+            await self._publish_keepalive()
+            flushed = await self._flushed(self.probe_timeout_s)
+        except Exception:  # the broker is away: that says nothing of the client
+            return False
+        return flushed and self._missed_frames != missed
+
+    async def back_or_gone(self) -> bool:
+        """After `unheard`: probe the client's inbox until it is listened to again (True), or until the client is
+        gone (False: its "no responders" outlasted the grace). Bounded by the longer grace: past it, True (our own
+        link may be what failed; the call's turn comes again and asks `unheard` again)."""
+        deadline = time.monotonic() + max(self.resubscribe_grace_s, self.missing_grace_s) + self.probe_timeout_s
+        while not self.client_gone.is_set() and time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # the broker is away: probe again
+                if await self.reachable(self.probe_timeout_s):
+                    return True
+            await event_within(self.client_gone, self.probe_timeout_s)
+        return not self.client_gone.is_set()
 
     async def settle(self) -> None:
         """At the call's end: wait for the answers to what was sent, and send again what the client missed, for at

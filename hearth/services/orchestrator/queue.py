@@ -5,20 +5,24 @@ running share; otherwise it waits in its caller's lane and is told its place (`o
 whenever that place changes. Lanes are served in turn: one call of each caller with something runnable, then
 the next round, so one caller's burst never holds back another caller's single call. A call running several pipelines
 (`n` choices) holds a place for each, up to its caller's running share; places that free while the call next in turn
-needs more of them than are free are kept for it, so calls needing one place cannot take each as it frees.
+needs more of them than are free are kept for it, so calls needing one place cannot take each as it frees. A waited
+call whose client is unheard when its turn comes (`WaitingClient.unheard`: it may have left moments ago) gives its
+places to the next call and runs nothing: it leaves once the client is gone, or waits again first in its lane once
+the client listens again.
 
 Shares, so that one member can never lock the others out: a caller runs at most `max_per_caller` calls and
 never every running place (at most `max_running - 1` when there are several), and waits with at most
 `max_queued_per_caller` calls; one more is refused (`Overloaded`), never queued. A member's calls are counted from
 their arrival (`arrive`, `leave`): at most its running share plus its share of the queue are held here at once, those
-not queued yet (a head loading) included. When all `max_queued` places
-are taken, a caller with fewer waiting calls still gets in: the newest call of the caller waiting with the most
-is refused in its stead. The running share is derived rather than validated because its two settings live in
-different sections with their own defaults, and either may be set alone.
+not queued yet (a head loading) included. When all `max_queued` places are taken, a caller with fewer waiting
+calls still gets in: the newest call of the caller waiting with the most is refused in its stead. The running share
+is derived rather than validated because its two settings live in different sections with their own defaults, and
+either may be set alone.
 
 Callers are roster names on a community mesh; every unsigned caller (an open mesh, where nothing tells callers
 apart) shares one lane, bounded by `max_per_caller` and the whole queue only.
-The queue is pure asyncio state (no I/O of its own): the service wires the position callback to the client.
+The queue is pure asyncio state (no I/O of its own): the service wires the position callback and the waiting client
+to the call's client stream.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hearth.services.common.metrics import gauge, histogram
 
@@ -38,6 +43,16 @@ queue_wait_seconds = histogram("hearth_queue_wait_seconds", "How long each call 
 
 ANONYMOUS_CALLER = ""
 PositionCallback = Callable[[int, int], Awaitable[None]]
+
+
+class WaitingClient(Protocol):
+    """What the queue asks of a waited call's client when its turn comes (ClientStream)."""
+
+    async def unheard(self) -> bool:
+        """Whether nobody listens on the client's inbox now."""
+
+    async def back_or_gone(self) -> bool:
+        """After `unheard`: True once the client listens again, False once it is gone."""
 
 
 class LeftQueue(Exception):
@@ -98,12 +113,14 @@ class FairQueue:
 
     @contextlib.asynccontextmanager
     async def place(self, caller: str | None, on_position: PositionCallback | None = None,
-                    client_gone: asyncio.Event | None = None, pipelines: int = 1) -> AsyncIterator[Admission]:
+                    client_gone: asyncio.Event | None = None, pipelines: int = 1,
+                    client: WaitingClient | None = None) -> AsyncIterator[Admission]:
         """Hold running places for the body's duration, one per pipeline the call runs at once (`pipelines`, at
         most its caller's running share: Admission.places says how many), waiting for them first when needed;
         Overloaded when the queue or the caller's share of it is full (or later, while waiting, when another
-        caller's call took its place), LeftQueue when `client_gone` is set while waiting. A call cancelled while
-        waiting leaves the queue."""
+        caller's call took its place), LeftQueue when `client_gone` is set while waiting, or when `client` went
+        unheard by the call's turn and is gone (see `_unheard_at_turn`). A call cancelled while waiting leaves the
+        queue."""
         lane_key = caller or ANONYMOUS_CALLER
         places = max(1, min(pipelines, self.running_share(lane_key), self.max_running))
         started = time.monotonic()
@@ -113,6 +130,8 @@ class FairQueue:
             self._start(lane_key, places)
         else:
             await self._wait(lane_key, on_position, client_gone, places)
+            while client is not None and await self._unheard_at_turn(client, lane_key, places):
+                await self._wait(lane_key, on_position, client_gone, places, returning=True)
         waited_s = time.monotonic() - started
         queue_wait_seconds.observe(waited_s)
         try:
@@ -199,11 +218,35 @@ class FairQueue:
             del self._running_by_caller[lane_key]
         self._dispatch()
 
+    async def _unheard_at_turn(self, client: WaitingClient, lane_key: str, places: int) -> bool:
+        """A waited call's turn came: whether its client went unheard meanwhile (it may have left seconds ago, and
+        "no responders" is a leave only after a grace). Its places then go to the next call at once, not to a run
+        that would open its hops' sessions for nobody; LeftQueue once the client is gone, True (wait again, first
+        in its lane) once it listens again."""
+        try:
+            unheard = await client.unheard()
+        except BaseException:
+            self._finish(lane_key, places)
+            raise
+        if not unheard:
+            return False
+        self._finish(lane_key, places)
+        if not await client.back_or_gone():
+            raise LeftQueue("the client went away while its call waited in the queue")
+        return True
+
     async def _wait(self, lane_key: str, on_position: PositionCallback | None,
-                    client_gone: asyncio.Event | None, places: int) -> None:
-        self._make_room_for(lane_key)
+                    client_gone: asyncio.Event | None, places: int, *, returning: bool = False) -> None:
+        """Wait in the caller's lane until admitted (`returning`: a call whose client came back at its turn waits
+        first in its lane, and had its place in the queue already)."""
+        if not returning:
+            self._make_room_for(lane_key)
         waiter = _Waiter(lane_key, on_position, places)
-        self._lanes.setdefault(lane_key, deque()).append(waiter)
+        lane = self._lanes.setdefault(lane_key, deque())
+        if returning:
+            lane.appendleft(waiter)
+        else:
+            lane.append(waiter)
         self._dispatch()
         gone = asyncio.ensure_future(client_gone.wait()) if client_gone is not None else None
         try:
