@@ -48,7 +48,7 @@ from hearth.readmodels.positions import PROJECTION_NAME, load_positions, save_po
 from hearth.readmodels.rejections import record_rejection
 from hearth.readmodels.reputation import ReputationEvent, apply_reputation_event
 from hearth.readmodels.retention import RetentionPolicy, history_kept_s
-from hearth.readmodels.shard_rows import ShardEvent, apply_shard_event
+from hearth.readmodels.shard_rows import ShardEvent, apply_shard_event, heard_at_s, note_heard
 
 if TYPE_CHECKING:
     from hearth.events.consume import SkippedMessage, StoredEvent
@@ -60,10 +60,15 @@ class ReadModelProjection:
     """Event handlers for the read-model tables plus the position bookkeeping that makes them exactly once."""
 
     def __init__(self, name: str = PROJECTION_NAME, *, verifier: EventVerifier | None = None,
-                 retention: RetentionPolicy | None = None) -> None:
+                 retention: RetentionPolicy | None = None, max_clock_skew_s: float | None = None) -> None:
         self.name = name
         # None (an open mesh, no roster): every decodable event is applied, as before events were signed.
         self.verifier = verifier
+        # How far a host's clock may be off the broker's and its heartbeats still count from when they were stored
+        # (shard_rows.heard_at_s): the verifier's limit unless given (None, an open mesh: by their own dates).
+        verifiers_limit = getattr(verifier, "max_clock_skew", None)
+        self.max_clock_skew_s = max_clock_skew_s if max_clock_skew_s is not None or verifiers_limit is None else (
+            verifiers_limit.total_seconds())
         # Rejected events kept as rows per minute, stream and reason (None, no policy: every one).
         self.rejected_samples_per_minute = None if retention is None else retention.rejected_samples_per_minute
         self.retention = retention  # how long applied event ids are kept, so how old an event may be (applied_events)
@@ -109,8 +114,10 @@ class ReadModelProjection:
                                      samples_per_minute=self.rejected_samples_per_minute)
                     if rejections is not None:
                         rejections.append(Rejection(message.stream, message.seq, event.type, reason))
-                elif not repeats_what_is_known(event, rows):  # a heartbeat's copy: no figure, no count
-                    self.handle(event, rows)
+                elif not repeats_what_is_known(event, rows, heard_s := heard_at_s(event, message.time,
+                                                                                  self.max_clock_skew_s)):
+                    self.handle(event, rows)  # a heartbeat's copy (repeats_what_is_known): no figure, no count
+                    note_heard(event, rows, heard_s)
                     _count_event(event, rows)
                     record_applied(message, rows)
                 positions[message.stream] = message.seq
