@@ -31,3 +31,16 @@ events_rejected_total = Counter(
     "rejected_event_counts read model.",
     ["reason"],
 )
+
+skewed_clock_messages_total = Counter(
+    "hearth_skewed_clock_messages_total",
+    "Calls, opens and events whose signer's date is beyond [events] max_clock_skew_s of the clock that checked it "
+    "(hearth/events/clock_skew.py): its clock, or the checker's, is off.",
+    ["what"],
+)
+
+broker_clock_offset_seconds = Gauge(
+    "hearth_broker_clock_offset_seconds",
+    "This process's clock less the broker's, as last measured (hearth/events/broker_clock.py): beyond [events] "
+    "max_clock_skew_s its signed events, calls or opens are refused.",
+)

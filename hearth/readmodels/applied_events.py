@@ -65,15 +65,17 @@ def record_applied(message: StoredEvent, rows: BatchRows) -> None:
     rows.put(APPLIED_EVENTS, key, dict(stream=stream, occurred_at=occurred_at, event_id=event_id))
 
 
-def repeats_what_is_known(event: EventEnvelope, rows: BatchRows) -> bool:
-    """Whether `event` is a heartbeat its shard's row has news of already: older than the heartbeat the row states
-    (by a whole second), or a copy of that one; it is then neither applied nor counted (its position still advances)."""
+def repeats_what_is_known(event: EventEnvelope, rows: BatchRows, heard_s: int | None = None) -> bool:
+    """Whether `event` is a heartbeat its shard's row has news of already: heard earlier than the heartbeat the row
+    states (by a whole second; `heard_s`, shard_rows.heard_at_s, else its own date), or a copy of that one; it is
+    then neither applied nor counted (its position still advances)."""
     if event.type not in IDEMPOTENT_TYPES:
         return False
     health = rows.get(SHARD_HEALTH, event.shard_id)  # type: ignore[attr-defined]
     if health is None:
         return False
-    return health["last_seen"] > math.floor(event.occurred_at.timestamp()) or health["heartbeat_id"] == event.event_id
+    heard_s = math.floor(event.occurred_at.timestamp()) if heard_s is None else heard_s
+    return health["last_seen"] > heard_s or health["heartbeat_id"] == event.event_id
 
 
 def _key(message: StoredEvent) -> tuple[str, int, str]:

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
-from hearth.events.models import EventEnvelope, MemberRemoved
+from hearth.events.clock_skew import ClockSkewReports
+from hearth.events.models import EventEnvelope, MemberRemoved, ShardHeartbeat
 from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.readmodels.admission import Rejection, record_member_removal, rejection
 from hearth.readmodels.applied_events import (
@@ -48,7 +49,7 @@ from hearth.readmodels.positions import PROJECTION_NAME, load_positions, save_po
 from hearth.readmodels.rejections import record_rejection
 from hearth.readmodels.reputation import ReputationEvent, apply_reputation_event
 from hearth.readmodels.retention import RetentionPolicy, history_kept_s
-from hearth.readmodels.shard_rows import ShardEvent, apply_shard_event
+from hearth.readmodels.shard_rows import ShardEvent, apply_shard_event, heard_at_s, note_heard
 
 if TYPE_CHECKING:
     from hearth.events.consume import SkippedMessage, StoredEvent
@@ -60,10 +61,16 @@ class ReadModelProjection:
     """Event handlers for the read-model tables plus the position bookkeeping that makes them exactly once."""
 
     def __init__(self, name: str = PROJECTION_NAME, *, verifier: EventVerifier | None = None,
-                 retention: RetentionPolicy | None = None) -> None:
+                 retention: RetentionPolicy | None = None, max_clock_skew_s: float | None = None) -> None:
         self.name = name
         # None (an open mesh, no roster): every decodable event is applied, as before events were signed.
         self.verifier = verifier
+        # How far a host's clock may be off the broker's and its heartbeats still count from when they were stored
+        # (shard_rows.heard_at_s): the verifier's limit unless given (None, an open mesh: by their own dates).
+        verifiers_limit = getattr(verifier, "max_clock_skew", None)
+        self.max_clock_skew_s = max_clock_skew_s if max_clock_skew_s is not None or verifiers_limit is None else (
+            verifiers_limit.total_seconds())
+        self.skew_reports = ClockSkewReports()  # a node's clock far off the broker's, told once a while
         # Rejected events kept as rows per minute, stream and reason (None, no policy: every one).
         self.rejected_samples_per_minute = None if retention is None else retention.rejected_samples_per_minute
         self.retention = retention  # how long applied event ids are kept, so how old an event may be (applied_events)
@@ -107,10 +114,16 @@ class ReadModelProjection:
                         message, rows, history_kept_s(self.retention, message.stream))) is not None:
                     record_rejection(message, reason, rows, projection=self.name,
                                      samples_per_minute=self.rejected_samples_per_minute)
+                    if reason == "future_dated":
+                        self._skewed(message, "its events are rejected (future_dated), so its shards are not routed")
                     if rejections is not None:
                         rejections.append(Rejection(message.stream, message.seq, event.type, reason))
-                elif not repeats_what_is_known(event, rows):  # a heartbeat's copy: no figure, no count
-                    self.handle(event, rows)
+                elif not repeats_what_is_known(event, rows, heard_s := heard_at_s(event, message.time,
+                                                                                  self.max_clock_skew_s)):
+                    self.handle(event, rows)  # a heartbeat's copy (repeats_what_is_known): no figure, no count
+                    note_heard(event, rows, heard_s)
+                    if self._dated_far_behind(event, message, heard_s):
+                        self._skewed(message, "its heartbeats read as old, so its shards are not routed")
                     _count_event(event, rows)
                     record_applied(message, rows)
                 positions[message.stream] = message.seq
@@ -123,6 +136,19 @@ class ReadModelProjection:
         for stream, at in last_event_at.items():
             save_position(session, self.name, stream, stored_positions.get(stream), positions[stream], at)
         return applied
+
+    def _dated_far_behind(self, event: EventEnvelope, message: StoredEvent, heard_s: int) -> bool:
+        """A heartbeat (published at once, never from an outbox) dated beyond the limit before it was stored."""
+        return (isinstance(event, ShardHeartbeat) and self.max_clock_skew_s is not None
+                and heard_s < message.time.timestamp() - self.max_clock_skew_s)
+
+    def _skewed(self, message: StoredEvent, consequence: str) -> None:
+        """Say (once a while per node, events.clock_skew) that the node of `message` dates its events far off the
+        broker's clock."""
+        self.skew_reports.skewed("event", message.event.node_id,
+                                 message.event.occurred_at.timestamp() - message.time.timestamp(),
+                                 clock="the broker's clock", allowed_s=self.max_clock_skew_s or 0,
+                                 consequence=consequence)
 
     # ---- one handler per event type ---------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 shard_health, and what a shard was counted for (pipelines joined, failovers caused, corruption detected) into
 shard_stats.
 
-One handler per event type, dispatched by `apply_shard_event` (readmodels.projection calls it); `count_for_shards`
+One handler per event type, dispatched by `apply_shard_event` (readmodels.projection calls it, and `note_heard` for a
+heartbeat: when the broker stored it, `heard_at_s`, while the host's clock is near enough); `count_for_shards`
 is how a pipeline's events count against the shards in it too. A shard's state follows its newest event, so an old
 one re-published past the broker's de-duplication window changes nothing.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from functools import singledispatch
 
 from hearth.events.models import (
@@ -33,6 +35,25 @@ def _older_than_what_is_known(row: Row | None, event: EventEnvelope, *time_colum
         return False
     occurred_s = epoch_s(event.occurred_at)
     return any(row.get(column) is not None and row[column] > occurred_s for column in time_columns)
+
+
+def heard_at_s(event: EventEnvelope, stored_at: datetime, max_clock_skew_s: float | None) -> int:
+    """When a heartbeat counts its shard as heard (shard_health.last_seen): when the broker stored it, while its
+    date is within `max_clock_skew_s` of that ([events], the verifier's; None: an open mesh, its own date). A host
+    whose clock is off by less than the limit is then judged as one whose clock is right (a host 29 s behind would
+    otherwise look dead between beats, one ahead be heard in the future), and one farther off stays judged by its
+    own date, as a replayed old heartbeat is (nothing it says is news)."""
+    occurred_s, stored_s = event.occurred_at.timestamp(), stored_at.timestamp()
+    if max_clock_skew_s is not None and abs(occurred_s - stored_s) <= max_clock_skew_s:
+        return math.floor(stored_s)
+    return math.floor(occurred_s)
+
+
+def note_heard(event: EventEnvelope, rows: BatchRows, heard_s: int) -> None:
+    """Set a heartbeat's shard_health row (its handler just wrote it) to when it was heard (heard_at_s)."""
+    row = rows.edit(SHARD_HEALTH, event.shard_id) if isinstance(event, ShardHeartbeat) else None
+    if row is not None:
+        row["last_seen"] = heard_s
 
 
 def _new_stats(shard_id: str) -> Callable[[], Row]:

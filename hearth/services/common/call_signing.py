@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from hearth.events.clock_skew import ClockSkewReports, skew_in_words
 from hearth.events.steward_keys import caller_by_logs
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, MemberKey, verify_b64
 from hearth.trust.roster import MEMBER_NAME_PATTERN, Member, Role, Roster, TrustLevel, trust_at_least
@@ -112,6 +113,7 @@ class CallVerifier:
         self.signed, self.receiver = signed, receiver
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._logged_steward_keys = logged_steward_keys or tuple
+        self._skew_reports = ClockSkewReports()
 
     @property
     def nonce_window_s(self) -> float:
@@ -132,18 +134,12 @@ class CallVerifier:
             return CallRefused("malformed", f"the {self.signed}'s {malformed} header is not of the form signers write "
                                             "(protocol.md of hearth's docs, Signed calls)")
         signed_at_s = float(timestamp)
-        skew_s = abs(now_s - signed_at_s)
         # The form admits only finite decimals; checked again because a NaN compares False with everything.
-        if not math.isfinite(signed_at_s) or not skew_s <= self.max_clock_skew_s:
-            return CallRefused("stale", f"the {self.signed}'s timestamp is {skew_s:.0f} s from this "
-                                        f"{self.receiver}'s clock (at most {self.max_clock_skew_s:g} s allowed): "
-                                        "are both clocks set by NTP?")
-        named = list(self._logged_steward_keys())
-        member = caller_by_logs(self._roster(False), signer, named) or caller_by_logs(self._roster(True), signer, named)
-        if member is None:
-            return CallRefused("unknown_signer", f"the {self.signed}'s key is not a member of this community")
-        if not verify_b64(signer, _signed_bytes(subject, reply, timestamp, nonce, body), signature):
-            return CallRefused("bad_signature", f"the {self.signed}'s signature does not match it")
+        if not math.isfinite(signed_at_s) or not abs(signed_at_s - now_s) <= self.max_clock_skew_s:
+            return self._stale(signed_at_s - now_s, self._signed_by(subject, reply, body, headers))
+        member = self._signed_by(subject, reply, body, headers)
+        if isinstance(member, CallRefused):
+            return member
         if not self._remember(nonce, now_s):
             return CallRefused("replayed", f"this {self.signed} was already received (same nonce)")
         if not trust_at_least(member.trust, self.min_caller_trust):
@@ -154,6 +150,29 @@ class CallVerifier:
             return CallRefused("role_may_not_call", f"{member.name} is a {member.role}; only "
                                                     f"{' and '.join(self.caller_roles)} members call")
         return member
+
+    def _signed_by(self, subject: str, reply: str, body: bytes, headers: Mapping[str, str]) -> Member | CallRefused:
+        """The member whose key signed it, or why not (its key no member's, its signature not matching)."""
+        signer, timestamp = headers[HEADER_CALLER], headers[HEADER_CALLER_TIME]
+        named = list(self._logged_steward_keys())
+        member = caller_by_logs(self._roster(False), signer, named) or caller_by_logs(self._roster(True), signer, named)
+        if member is None:
+            return CallRefused("unknown_signer", f"the {self.signed}'s key is not a member of this community")
+        signed = _signed_bytes(subject, reply, timestamp, headers[HEADER_CALLER_NONCE], body)
+        if not verify_b64(signer, signed, headers[HEADER_CALLER_SIGNATURE]):
+            return CallRefused("bad_signature", f"the {self.signed}'s signature does not match it")
+        return member
+
+    def _stale(self, skew_s: float, signer: Member | CallRefused) -> CallRefused:
+        """The refusal of a call dated `skew_s` off this clock, beyond the limit; the receiver's log says so once a
+        while for a member that did sign it (not for whoever puts a member's key in a forged header)."""
+        clock = f"this {self.receiver}'s clock"
+        if isinstance(signer, Member):
+            self._skew_reports.skewed("open" if self.signed == "open" else "call", signer.name, skew_s, clock=clock,
+                                      allowed_s=self.max_clock_skew_s, consequence=f"its {self.signed}s are refused")
+        return CallRefused("stale", f"the {self.signed} is dated {skew_in_words(skew_s, clock)} (at most "
+                                    f"{self.max_clock_skew_s:g} s allowed): its sender's clock or this "
+                                    f"{self.receiver}'s is off; set both by NTP")
 
     def role_of(self, name: str) -> str | None:
         """The role of the roster member called `name` (None: no such member): whose inbox an answer may go to."""

@@ -1,7 +1,7 @@
 """This process's part in signed events and calls: the member key it signs its events with, the verifier its
 projections check events with, the one an orchestrator checks calls with (and a shard host opens, both told of the
 steward keys the logs name) and the membership it routes by, all found from its [nats] credentials and the community
-roster."""
+roster, and the watch that tells it when its clock is too far off the broker's for any of them to be accepted."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hearth.events.broker_clock import BrokerClockWatch
 from hearth.events.signing import EventVerifier, RosterFile
 from hearth.events.streams import StreamSetup
 from hearth.services.common.call_signing import CallVerifier
@@ -146,3 +147,14 @@ def event_verifier(settings: HearthSettings, roster_file: Path | None = None) ->
     if roster_file is None:
         return None
     return EventVerifier.from_roster_file(roster_file, max_clock_skew_s=settings.events.max_clock_skew_s)
+
+
+def broker_clock_watch(nc: Any, settings: HearthSettings, stream: str, member: str,
+                       consequence: str) -> BrokerClockWatch | None:
+    """On a community mesh, what measures this process's clock against the broker's (reading `stream`'s info) and
+    says, as `member`, when it is beyond [events] max_clock_skew_s and what that does (`consequence`); None on an
+    open mesh, where no time is checked."""
+    if community_roster_file(settings.nats) is None:
+        return None
+    return BrokerClockWatch(nc, stream, member=member, max_clock_skew_s=settings.events.max_clock_skew_s,
+                            consequence=consequence)

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hearth.events.outbox_file import OutboxFileUnavailable
+from hearth.events.streams import PIPELINES_STREAM
 from hearth.readmodels.db import ReadModelUnusable
 from hearth.services.common.config import HearthSettings
+from hearth.services.common.event_trust import broker_clock_watch
 from hearth.services.common.hearth_files import state_dir
 from hearth.services.common.lifecycle import CommandRefused, Stopped, unless_stopped, write_ready_file
 from hearth.services.common.metrics import serve_process_metrics
@@ -19,6 +21,11 @@ from hearth.inference.devices import resolve_placement
 from hearth.inference.errors import InferenceError, first_line
 from hearth.inference.loading import check_checkpoint
 from hearth.inference.quantization import QuantizationError, check_device_supports, parse_quantization
+
+# What an orchestrator's clock beyond [events] max_clock_skew_s of the broker's does (hearth/events/broker_clock.py).
+ORCHESTRATOR_CLOCK_CONSEQUENCE = ("members' calls are refused as stale and shards refuse its opens; ahead, its "
+                                  "pipeline events are rejected (future_dated) and every shard reads as not heard "
+                                  "from")
 
 
 @dataclass(frozen=True)
@@ -90,9 +97,13 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
     orchestrator.catalog.use_compute(device, dtype, quantization=scheme)
     orchestrator.catalog.use_store(nc.jetstream())  # `store:NAME` models come through this connection
     metrics_server = None
+    clock_watch = broker_clock_watch(nc, settings, PIPELINES_STREAM, f"orchestrator {options.node_id}",
+                                     ORCHESTRATOR_CLOCK_CONSEQUENCE)
     try:
         metrics_server = serve_process_metrics(options.metrics_port, f"orchestrator {options.node_id}",
                                                host=settings.metrics.host)
+        if clock_watch is not None:
+            clock_watch.start()
         try:
             await orchestrator.start()
         except ReadModelUnusable as error:  # --db a folder, a damaged file: one line, the file left as it was
@@ -119,6 +130,8 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
             return
         raise CommandRefused(f"--db {orchestrator.projector.unusable}")
     finally:
+        if clock_watch is not None:
+            await clock_watch.stop()
         if metrics_server is not None:
             metrics_server.stop()
         await orchestrator.stop()

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from hearth.events.models import default_hop_weight
+from hearth.events.streams import SHARDS_STREAM
 from hearth.protocol.subjects import shard_control_subject, shard_id_for
 from hearth.inference import InferenceError, LayerRangeRunner, load_layer_range, weights_sha256
 from hearth.inference.compute_thread import StepThreads, on_compute_thread
@@ -25,6 +26,7 @@ from hearth.inference.quantization import (
 )
 from hearth.services.common.config import HearthSettings, HostSettings
 from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
+from hearth.services.common.event_trust import broker_clock_watch
 from hearth.services.common.lifecycle import (
     CommandInputRefused, CommandRefused, Stopped, restart_stop_deadline, stop_again_event, unless_stopped,
     write_ready_file,
@@ -40,6 +42,10 @@ from hearth.services.shard.server import ShardIdentity, ShardServer
 from hearth.services.weights_store import WeightsStoreError, resolve_model_source, store_model_name
 
 log = logging.getLogger(__name__)
+# What a host's clock beyond [events] max_clock_skew_s of the broker's does (hearth/events/broker_clock.py).
+SHARD_CLOCK_CONSEQUENCE = ("ahead, projectors reject its advertisements and heartbeats (future_dated); behind, its "
+                           "heartbeats read as old and orchestrators' opens are refused as stale: either way its "
+                           "shards are not routed")
 
 _layer_range_re = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
@@ -295,9 +301,13 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
     server = ShardServer(nc, compute, identity, settings, hop_weight=hop_weight, outbox_dir=shard_outbox_dir(settings))
     server_ref.append(server)
     metrics_server = None
+    clock_watch = broker_clock_watch(nc, settings, SHARDS_STREAM, f"shard host {identity.node_id}",
+                                     SHARD_CLOCK_CONSEQUENCE)
     try:
         compute.start()
         await server.start()
+        if clock_watch is not None:
+            clock_watch.start()
         metrics_server = serve_process_metrics(metrics_port, f"shard {shard_id}", host=settings.metrics.host)
         print(f"shard {shard_id} ready (layers {lo}-{hi} of {identity.total_layers}, weights "
               f"{identity.weights_sha256[:12]}, {identity.device_kind} {identity.dtype}, quantization "
@@ -318,6 +328,8 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
             await drain_for_stop(server, settings.shard.stop_drain_timeout_s, withdraw_reason(), process_stop)
         return compute.stats
     finally:
+        if clock_watch is not None:
+            await clock_watch.stop()
         await server.stop(withdraw_reason())
         await compute.close()
         if metrics_server is not None:
