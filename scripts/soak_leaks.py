@@ -211,6 +211,7 @@ def run(options: argparse.Namespace) -> dict:
                 shot["census"] = {process.name: heap_census(process.popen.pid, work, label)
                                   for process in cluster.processes if process.alive}
             report["snapshots"].append(shot)
+            options.out.write_text(json.dumps(report, indent=1))  # an interrupted soak keeps what it measured
             print(f"soak-leaks: {label}: " + ", ".join(
                 f"{name} rss {numbers['VmRSS'] // 1024} MiB fds {numbers['fds']} threads {numbers['Threads']}"
                 for name, numbers in shot["processes"].items()) + f"; subs {shot['total_subscriptions']}", flush=True)
