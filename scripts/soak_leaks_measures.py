@@ -110,12 +110,16 @@ def heap_census(pid: int, out_dir: Path, label: str) -> dict | None:
     """CENSUS_CODE run in `pid` through gdb; None when it could not be (no gdb, no permission)."""
     path = out_dir / f"census-{pid}-{label.replace(' ', '-')}.json"
     code = CENSUS_CODE % str(path)
-    # Only libpython's symbols: loading torch's too would take minutes per process.
+    # Only libpython's and libc's symbols: loading torch's too would take minutes per process. The code runs when the
+    # main thread enters epoll_wait (asyncio) or epoll_pwait (uvloop), where its event loop has let the GIL go: a
+    # thread stopped anywhere else may be inside take_gil, and taking the GIL again there deadlocks the process.
     command = ["gdb", "-batch", "-nx", "-iex", "set auto-solib-add off", "-p", str(pid),
-               "-ex", "sharedlibrary libpython",
+               "-ex", "sharedlibrary libpython", "-ex", "sharedlibrary libc.so", "-ex", "break epoll_wait thread 1",
+               "-ex", "break epoll_pwait thread 1",
+               "-ex", "continue", "-ex", "delete",
                "-ex", "call (int)PyGILState_Ensure()",
                "-ex", f"call (int)PyRun_SimpleString({json.dumps(code)})",
-               "-ex", "call (void)PyGILState_Release($1)"]
+               "-ex", "call (void)PyGILState_Release($1)", "-ex", "detach"]
     try:
         subprocess.run(command, capture_output=True, timeout=CENSUS_TIMEOUT_S, check=False)
         return json.loads(path.read_text())
