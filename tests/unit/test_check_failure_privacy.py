@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from hearth.services.orchestrator import answer_kv, mirrored_checks
 from hearth.services.orchestrator.answer_kv import AnswerWarmUps
+from hearth.services.orchestrator.canaries import CanaryRunner
 from hearth.services.transport import FrameKind
 from tests.unit.test_verify_gaps import StandInMirror, run_step, verifier_of
 
@@ -61,3 +62,27 @@ async def test_a_failed_answer_warm_up_logs_no_answer(monkeypatch, caplog):
 
     assert "p-warm" in caplog.text and "RuntimeError" in caplog.text
     assert not any(str(token) in caplog.text for token in answer_tokens)
+
+
+async def test_a_failed_canary_replay_logs_no_activations(caplog):
+    """A canary is a call's recorded activations: its replay's failure is logged without its message."""
+    quoted = [0.731204, -1.284577, 0.055913]
+    ctx = SimpleNamespace(settings=SimpleNamespace(verification=SimpleNamespace(canary_interval_s=0.01)))
+    runner = CanaryRunner(ctx, record=None)
+    replayed = asyncio.Event()
+
+    async def replay_one():
+        replayed.set()
+        raise ValueError(f"the replay's output does not compare: {quoted}")
+
+    runner.replay_one = replay_one
+    caplog.set_level(logging.DEBUG)
+    runner.start()
+    try:
+        await asyncio.wait_for(replayed.wait(), timeout=5)
+        await asyncio.sleep(0.05)
+    finally:
+        await runner.close()
+
+    assert "canary" in caplog.text and "ValueError" in caplog.text
+    assert not any(repr(value) in caplog.text for value in quoted)
