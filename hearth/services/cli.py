@@ -280,7 +280,8 @@ def orchestrator_command(
 @app.command("chat")
 def chat_command(
     ctx: typer.Context,
-    prompt: Annotated[str, typer.Argument(help="What to say (a user message, or raw text with --raw).")],
+    prompt: Annotated[str, typer.Argument(help="What to say (a user message, or raw text with --raw); - reads it "
+                                          "from stdin, out of sight of the machine's other users (ps).")],
     model: Annotated[
         Optional[str], typer.Option("--model", help="Model id, as the shard hosts advertise it (default: the one "
                                     "model the mesh serves; `hearth models` lists them).", show_default=False)
