@@ -280,7 +280,8 @@ def orchestrator_command(
 @app.command("chat")
 def chat_command(
     ctx: typer.Context,
-    prompt: Annotated[str, typer.Argument(help="What to say (a user message, or raw text with --raw).")],
+    prompt: Annotated[str, typer.Argument(help="What to say (a user message, or raw text with --raw); - reads it "
+                                          "from stdin, out of sight of the machine's other users (ps).")],
     model: Annotated[
         Optional[str], typer.Option("--model", help="Model id, as the shard hosts advertise it (default: the one "
                                     "model the mesh serves; `hearth models` lists them).", show_default=False)
@@ -375,9 +376,11 @@ def ollama_command(
 
 
 def main() -> None:
+    from hearth.services.common.core_dumps import forbid_core_dumps
     from hearth.services.common.lifecycle import STOP_EXIT_CODE, StopRequested, raise_on_stop_signals
     from hearth.services.common.process_gc import hold_full_collections
 
+    forbid_core_dumps()  # a crash must not write the prompts, answers and keys it holds to disk
     hold_full_collections()  # until the command's event loop starts (hearth/services/common/process_gc.py)
     raise_on_stop_signals()  # a stop while `hearth` starts up (before any command runs) ends it quietly
     try:

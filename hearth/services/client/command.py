@@ -15,7 +15,8 @@ from hearth.services.client.answer_bound import AnswerBound, AnswerTooLong, warn
 from hearth.services.client.chat import AnswerTokens, ModelsRefused, choice_of, list_models, stream_chat
 from hearth.services.client.pinned import answered_by, stream_chat_pinned
 from hearth.services.common.display import display_text
-from hearth.protocol.chat import ChatMessage, ChatParams, ChatRequest, default_max_tokens, describe_validation_error
+from hearth.protocol.chat import (ChatMessage, ChatParams, ChatRequest, default_max_tokens, describe_validation_error,
+                                  max_prompt_chars)
 from hearth.protocol.chat_frames import (
     ChatFrame,
     DoneFrame,
@@ -37,6 +38,17 @@ EXIT_NO_ANSWER = 2
 EXIT_BAD_REQUEST = 2
 # What a request asks for when it does not say: one choice.
 requested_choices = ChatRequest.model_fields["n"].default
+# The PROMPT that says: read it from stdin.
+PROMPT_FROM_STDIN = "-"
+
+
+def prompt_from_stdin(interactive: bool) -> str:
+    """The prompt given as `-`: all of stdin (with `interactive`, its first line: the lines after it are the next
+    turns), without its last line end. Read here rather than given on the command line, where every user of the
+    machine sees it (ps, /proc/PID/cmdline) and a shell's history keeps it. At most one character past what a
+    request may carry is read: the request's own check refuses a longer one."""
+    text = sys.stdin.readline(max_prompt_chars + 1) if interactive else sys.stdin.read(max_prompt_chars + 1)
+    return text.removesuffix("\n")
 
 
 def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_tokens: int, temperature: float,
@@ -60,6 +72,8 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
     it, exit code 0), sent to the orchestrator that answered the last turn (hearth/services/client/pinned.py).
     `waits`: stream_chat's timeouts (chat.configured_waits), else their defaults.
     """
+    if prompt == PROMPT_FROM_STDIN:
+        prompt = prompt_from_stdin(interactive)
     try:  # the request's own field checks the label (QuantizationLabel); its refusal names the option given
         params = ChatParams(quantization=quantization)
     except ValidationError as error:

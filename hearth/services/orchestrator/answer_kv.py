@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hearth.inference.compute_thread import on_compute_thread
-from hearth.services.common.lifecycle import event_within
+from hearth.services.common.lifecycle import event_within, log_failure
 from hearth.services.orchestrator.affinity import hop_ranges
 from hearth.services.orchestrator.call import new_pipeline_id
 from hearth.services.orchestrator.chain import HopChain
@@ -130,7 +130,8 @@ class AnswerWarmUps:
                      builder.call.pipeline_id, timeout_s)
             outcome = FAILED
         except Exception as error:  # a warm-up is an optimisation: whatever failed it, the prompt's blocks stay
-            log.warning("pipeline %s: its answer's warm-up failed: %r", builder.call.pipeline_id, error)
+            # By its type and place: its message may quote the answer's tokens or activations.
+            log_failure(log, f"pipeline {builder.call.pipeline_id}: its answer's warm-up", error, logging.WARNING)
             outcome = FAILED
         answer_warm_ups_total.labels(outcome).inc()
 

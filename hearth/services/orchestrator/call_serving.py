@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 from hearth.protocol.chat import BadRequest, ChatRequest, parse_chat_request
 from hearth.protocol.chat_frames import ErrorFrame
 from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
+from hearth.services.common.lifecycle import log_failure
 from hearth.services.orchestrator.admission import admit_prompt, prompt_room
 from hearth.services.orchestrator.call import Call
 from hearth.services.orchestrator.catalog import LoadedModel, UnknownModel
@@ -28,7 +29,12 @@ from hearth.services.orchestrator.queue import Admission, LeftQueue, Overloaded
 # The service's own logger: what a call's serving logs goes out under the name it always did.
 log = logging.getLogger("hearth.services.orchestrator.service")
 
-error_message_chars = 500
+
+def internal_error_frame(error: Exception) -> ErrorFrame:
+    """The `internal_error` frame of an unexpected `error`: its type only, never its message, which may quote the
+    request (a pydantic ValidationError echoes the values it refused) and which a gateway logs."""
+    return ErrorFrame(seq=0, code="internal_error",
+                      message=f"the orchestrator failed: {type(error).__name__} (its log says where)")
 
 
 class CallServing:
@@ -68,11 +74,10 @@ class CallServing:
             raise
         except Exception as error:
             if not (deadline.passed() and isinstance(error, TimeoutError)):  # the deadline's own is no bug
-                log.exception("request failed")
+                log_failure(log, "request", error)  # by type and place: its message may quote the prompt
             with contextlib.suppress(Exception):  # one final frame: not if one went out (held to last) already
                 if client.final_code is None:
-                    await client.send(deadline.frame() if deadline.passed() else ErrorFrame(
-                        seq=0, code="internal_error", message=str(error)[:error_message_chars]))
+                    await client.send(deadline.frame() if deadline.passed() else internal_error_frame(error))
         finally:
             client.final_going()  # the caller's share back, unless its final frame gave it back already
             count_request(client.final_code, client.client_gone.is_set())

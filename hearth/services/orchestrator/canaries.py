@@ -22,6 +22,7 @@ from hearth.inference.activation_compare import (evidence_digest, first_mismatch
                                           tolerance_for)
 from hearth.protocol.control import PrefixBlocks
 from hearth.protocol.quarantine import Held
+from hearth.services.common.lifecycle import log_failure
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.guards import RangeKey
 from hearth.services.orchestrator.metrics import verification_checks_total
@@ -183,8 +184,8 @@ class CanaryRunner:
                 await self.replay_one()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a canary must never take the orchestrator down
-                log.exception("replaying a canary failed")
+            except Exception as error:  # a canary must never take the orchestrator down; its text may quote one
+                log_failure(log, "replaying a canary", error)
 
     async def replay_one(self) -> str | None:
         """Replay one canary to one eligible host; the host's shard id (None when no pair was eligible)."""

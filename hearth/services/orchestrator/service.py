@@ -44,11 +44,11 @@ from hearth.services.common.event_trust import (
     steward_keys_from_the_log,
     stream_setup,
 )
-from hearth.services.common.lifecycle import owned_task
+from hearth.services.common.lifecycle import log_failure, owned_task
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import flush_ordered, key_refused_event
 from hearth.services.broker.permissions import reply_allowed
-from hearth.services.orchestrator.call_serving import CallServing, error_message_chars
+from hearth.services.orchestrator.call_serving import CallServing, internal_error_frame
 from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.catalog import ModelCatalog
 from hearth.events.streams import MiB
@@ -218,8 +218,8 @@ class Orchestrator(CallServing):
         except ValidationError as error:
             reply = ErrorFrame.refusing(BadRequest.of_validation(error))
         except Exception as error:  # the read model or the catalog failed us: said, as a chat request's failure is
-            log.exception("models request failed")
-            reply = ErrorFrame(seq=0, code="internal_error", message=str(error)[:error_message_chars])
+            log_failure(log, "models request", error)
+            reply = internal_error_frame(error)
         with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
             await msg.respond(reply.model_dump_json().encode())
 

@@ -33,6 +33,7 @@ import torch
 from hearth.events.models import IntegrityShardsVerified
 from hearth.protocol.chat_frames import VerificationOutcome
 from hearth.protocol.quarantine import Held
+from hearth.services.common.lifecycle import log_failure
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.check_findings import CheckFindings
 from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled_check_due
@@ -109,8 +110,8 @@ class CallVerifier(MirroredChecks):
         except TimeoutError:
             log.warning("pipeline %s: the check running on the hop accused by a report did not end within %.0f s; "
                         "the report is left unchecked", self.call.pipeline_id, self.settings.settle_timeout_s)
-        except Exception:  # a check must never take the call down with it
-            log.exception("pipeline %s: checking the hop accused by a report failed", self.call.pipeline_id)
+        except Exception as error:  # a check must never take the call down with it; its message may quote activations
+            log_failure(log, f"pipeline {self.call.pipeline_id}: checking the hop accused by a report", error)
 
     async def keep_alive(self) -> None:
         """Tell the mirrors' replicas that their sessions live, as a call's hops are told."""
@@ -251,8 +252,8 @@ class CallVerifier(MirroredChecks):
             await self._check_hop(chain, index)
         except asyncio.CancelledError:
             raise
-        except Exception:  # a check must never take the call down with it
-            log.exception("pipeline %s: checking hop %d failed", self.call.pipeline_id, index)
+        except Exception as error:  # a check must never take the call down with it; its message may quote activations
+            log_failure(log, f"pipeline {self.call.pipeline_id}: checking hop {index}", error)
 
     async def _check_hop(self, chain: HopChain, index: int, upto: int | None = None, settle_s: float | None = None,
                          turn_within_s: float | None = None) -> None:
