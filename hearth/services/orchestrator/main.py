@@ -9,6 +9,7 @@ from pathlib import Path
 from hearth.events.outbox_file import OutboxFileUnavailable
 from hearth.events.streams import PIPELINES_STREAM
 from hearth.readmodels.db import ReadModelUnusable
+from hearth.readmodels.scratch_model import ScratchModelGivenUp
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.event_trust import broker_clock_watch
 from hearth.services.common.hearth_files import state_dir
@@ -108,6 +109,8 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
             await orchestrator.start()
         except ReadModelUnusable as error:  # --db a folder, a damaged file: one line, the file left as it was
             raise CommandRefused(f"--db {error}") from None
+        except ScratchModelGivenUp as error:  # no --db, and the disk damages every file written there
+            raise CommandRefused(str(error)) from None
         except OutboxFileUnavailable as error:
             raise CommandRefused(f"{error} (give [orchestrator] event_outbox_dir, "
                                  "HEARTH_ORCHESTRATOR__EVENT_OUTBOX_DIR, a folder this process may write)") from None
@@ -124,11 +127,11 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
         print(f"orchestrator {options.node_id} ready", flush=True)
         if ready_file:
             write_ready_file(ready_file, options.node_id)
-        try:  # until stopped, or until its read model is found damaged: routing on it would go stale, so one line
-            await unless_stopped(orchestrator.projector.found_unusable.wait(), stop_event)
+        try:  # until stopped, or until its read model can no longer be kept: routing on it would go stale, so one line
+            ending = await unless_stopped(orchestrator.read_model_failed(), stop_event)
         except Stopped:
             return
-        raise CommandRefused(f"--db {orchestrator.projector.unusable}")
+        raise CommandRefused(ending)
     finally:
         if clock_watch is not None:
             await clock_watch.stop()
