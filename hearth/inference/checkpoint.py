@@ -99,6 +99,13 @@ def looks_like_local_path(model: str) -> bool:
             or (model.lower().endswith(GGUF_SUFFIX) and not is_hub_gguf_id(model)))
 
 
+def is_local_model(model: str) -> bool:
+    """Whether `model` names a model of this machine (a path, a GGUF file, an Ollama model, or nothing at all), as
+    opposed to one fetched from elsewhere (a hub id not on disk here): one that cannot be used is the caller's input
+    (exit code 2), while a fetched one may fail for now (the network, the broker)."""
+    return looks_like_local_path(model) or not model.strip() or Path(model).expanduser().exists()
+
+
 def _not_a_checkpoint(path: Path) -> str:
     """Why `path`, given as a local model, is none: missing, or a file that is no GGUF (before, said missing too)."""
     if path.exists():

@@ -14,7 +14,7 @@ gone) starts again from the last sequence it handed over; an applier whose trans
 from the database and restarts the followers from there, so nothing is lost or applied twice. A batch that fails on
 a message's content is applied message by message instead, and the one no handler can apply is recorded as rejected
 (readmodels.unapplicable); a file SQLite finds damaged is no batch's: nothing more is applied, `found_unusable` is set
-for the owner to say in one line what it does (end, or rebuild a scratch file: services/host/coverage_model.py). A
+for the owner to say in one line what it does (end, or rebuild a scratch file: readmodels/scratch_model.py). A
 stream deleted and created again is told by its creation time and reported (readmodels.stream_identity,
 `replaced_streams`), for a rebuild. With a retention policy, a third task prunes
 history every `prune_interval_s` (readmodels.retention), in short transactions taken in turn with the applier's.

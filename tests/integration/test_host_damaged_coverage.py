@@ -1,5 +1,5 @@
 """`hearth host` whose own coverage read model SQLite finds damaged rebuilds it from the event log
-(hearth/services/host/coverage_model.py): the file is purely derived and only the host reads it, so it is moved
+(hearth/readmodels/scratch_model.py): the file is purely derived and only the host reads it, so it is moved
 aside with one WARNING line and the host's view moves on (and a disk that damages every file ends the host in one
 line). Before, its projector stopped applying (one ERROR line)
 and the host went on choosing layers on a view that no longer moved."""
@@ -17,8 +17,9 @@ import torch
 from hearth.inference.memory import MiB, layer_weight_bytes
 from hearth.services.broker.connection import close_quietly, connect_nats
 from hearth.services.common.config import load_settings
-from hearth.services.common.lifecycle import CommandRefused
-from hearth.services.host import coverage_model
+from hearth.readmodels import scratch_model
+from hearth.readmodels.scratch_model import ScratchModelGivenUp
+from hearth.services.host.coverage import COVERAGE_FILE, coverage_model
 from hearth.services.host import main as host_main
 from tests.integration.tiny_shard_server import MODEL
 from tests.readmodel_helpers import with_a_damaged_table
@@ -41,7 +42,7 @@ async def test_a_host_rebuilds_its_damaged_coverage_read_model_and_its_view_move
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     # Damaged where the start does not read: found when the host's own advert is applied.
-    with_a_damaged_table(scratch / coverage_model.COVERAGE_FILE, "applied_events")
+    with_a_damaged_table(scratch / COVERAGE_FILE, "applied_events")
     monkeypatch.setattr(host_main, "ScratchFolder", lambda prefix: contextlib.nullcontext(scratch))
     monkeypatch.setenv("HEARTH_SHARD__KV_CACHE_BUDGET_MB", str(KV_RESERVE_MB))
     layer = max(layer_weight_bytes(MODEL, torch.float32).values())
@@ -59,7 +60,7 @@ async def test_a_host_rebuilds_its_damaged_coverage_read_model_and_its_view_move
         assert not hosting.done(), hosting  # the host serves on
         shard_id = ready.read_text()
         assert shards_in(rebuilt) == [shard_id]  # its view moved on: its own advert is in it
-        assert (scratch / f"{coverage_model.COVERAGE_FILE}.damaged").exists()  # moved aside
+        assert (scratch / f"{COVERAGE_FILE}.damaged").exists()  # moved aside
         said = [record for record in caplog.records if "coverage" in record.getMessage()]
         assert len(said) == 1 and said[0].levelno == logging.WARNING, said  # one line says it, not an ERROR
         assert "rebuilding it from the event log" in said[0].getMessage() and "\n" not in said[0].getMessage()
@@ -74,19 +75,19 @@ async def test_a_file_damaged_as_it_starts_is_rebuilt_and_a_disk_that_damages_ev
     try:
         scratch = tmp_path / "scratch"
         scratch.mkdir()
-        (scratch / coverage_model.COVERAGE_FILE).write_bytes(b"\x07" * 4096)  # its header torn: found as it starts
-        view = await coverage_model.CoverageModel(scratch, nc.jetstream(), load_settings()).start()
+        (scratch / COVERAGE_FILE).write_bytes(b"\x07" * 4096)  # its header torn: found as it starts
+        view = await coverage_model(scratch, nc.jetstream(), load_settings()).start()
         try:
             assert view.projector.db_path.name == "coverage-1.sqlite"
-            assert (scratch / f"{coverage_model.COVERAGE_FILE}.damaged").exists()
+            assert (scratch / f"{COVERAGE_FILE}.damaged").exists()
             await view.wait_until_caught_up(timeout_s=wait_s)
         finally:
             await view.stop()
 
-        monkeypatch.setattr(coverage_model, "max_rebuilds", 0)
-        (scratch / coverage_model.COVERAGE_FILE).write_bytes(b"\x07" * 4096)
-        with pytest.raises(CommandRefused) as refused:
-            await coverage_model.CoverageModel(scratch, nc.jetstream(), load_settings()).start()
+        monkeypatch.setattr(scratch_model, "max_rebuilds", 0)
+        (scratch / COVERAGE_FILE).write_bytes(b"\x07" * 4096)
+        with pytest.raises(ScratchModelGivenUp) as refused:
+            await coverage_model(scratch, nc.jetstream(), load_settings()).start()
         assert "\n" not in str(refused.value) and "coverage read model" in str(refused.value)
     finally:
         await close_quietly(nc)

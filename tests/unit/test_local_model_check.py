@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from hearth.readmodels.queries import ShardCandidate
-from hearth.services.common.lifecycle import CommandRefused
+from hearth.services.common.lifecycle import CommandInputRefused
 from hearth.services.orchestrator.catalog import ModelCatalog
 from hearth.services.orchestrator.discovery import describe_models
 from hearth.services.orchestrator.main import OrchestratorOptions, check_local_model
@@ -42,7 +42,7 @@ def folder_with_config(tmp_path: Path, text: str) -> Path:
 ], ids=["missing", "config-not-json", "unsupported-family", "no-weights", "gguf-layer-unreadable"])
 def test_a_local_model_that_cannot_load_is_refused_in_one_line_naming_the_option(make, why, tmp_path):
     spec = str(make(tmp_path))
-    with pytest.raises(CommandRefused) as refused:
+    with pytest.raises(CommandInputRefused) as refused:  # a path of this machine: the caller's input, exit 2
         check_local_model(OrchestratorOptions(node_id="o", local_model=spec))
     message = str(refused.value)
     assert message.startswith(f"--local-model {spec}: ") and why in message and "\n" not in message, message

@@ -9,18 +9,25 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Set
+from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
 
+from hearth.events.streams import SHARDS_STREAM
 from hearth.readmodels.queries import ShardCandidate, coverage_text
+from hearth.readmodels.retention import retention_policy
+from hearth.readmodels.runner import Projector
+from hearth.readmodels.scratch_model import ScratchReadModel
 from hearth.services.common.config import HearthSettings
-from hearth.services.host.coverage_model import CoverageModel
+from hearth.services.common.event_trust import event_verifier, stream_setup
 from hearth.services.host.planner import LayerRange, replicas_per_layer
 from hearth.services.orchestrator.router import ShardRouter
 from hearth.services.transport.probe import ProbeOutcome, probe_outcome
 
 log = logging.getLogger(__name__)
 
+COVERAGE_FILE = "coverage.sqlite"
 # The reason a host's withdrawal gives when it leaves a range to move to another (what other hosts wait for).
 MOVED = "moved"
 
@@ -102,12 +109,24 @@ class CoverageReader:
         return shards, lambda shard: self.router.alive(shard, now)
 
 
-def coverage_from(model_view: CoverageModel, settings: HearthSettings, node_id: str, **model) -> CoverageReader:
+def coverage_model(folder: Path, js: JetStreamContext, settings: HearthSettings) -> ScratchReadModel:
+    """The host's own read model of the shard events, on a scratch file in `folder` (what its coverage is read from;
+    nobody else reads it, so SQLite finding it damaged rebuilds it: hearth/readmodels/scratch_model.py)."""
+    def new_projector(path: Path) -> Projector:
+        return Projector(path, js, streams=(SHARDS_STREAM,), retention=retention_policy(settings.readmodels),
+                         verifier=event_verifier(settings), stream_setup=stream_setup(settings.nats))
+
+    return ScratchReadModel(folder, new_projector, file_name=COVERAGE_FILE, owner="host",
+                            what="coverage read model",
+                            rebuild_catch_up_s=settings.orchestrator.start_catch_up_timeout_s)
+
+
+def coverage_from(model_view: ScratchReadModel, settings: HearthSettings, node_id: str, **model) -> CoverageReader:
     """A CoverageReader over this host's own read model (started)."""
-    router = ShardRouter(model_view.session, allow_self_as_shard=True, self_node_id=node_id,
+    router = ShardRouter(model_view.session_factory, allow_self_as_shard=True, self_node_id=node_id,
                          health_timeout_s=settings.research.distributed_inference.shard_health_timeout_s,
                          silent_log_grace_s=settings.research.distributed_inference.silent_log_grace_s,
-                         read_model_version=model_view.version)
+                         read_model_version=lambda: model_view.batches_total)
     timeout_s = settings.orchestrator.catch_up_timeout_s
     return CoverageReader(router, catch_up=lambda: model_view.wait_until_caught_up(timeout_s=timeout_s), **model)
 

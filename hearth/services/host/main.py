@@ -7,7 +7,7 @@ The model may be a folder, a GGUF file, a hub id or `store:NAME`: its layers' si
 model_layout.py before anything is fetched, and only the chosen range is then downloaded or fetched.
 
 Coverage comes from a read model this process keeps itself (an in-process projector of the shard events on a
-temporary SQLite file, rebuilt from the log if SQLite finds it damaged: hearth/services/host/coverage_model.py), read
+temporary SQLite file, rebuilt from the log if SQLite finds it damaged: hearth/readmodels/scratch_model.py), read
 as hearth/services/host/coverage.py says. A move withdraws the old range at once, lets
 the calls going through it end, then loads the new one; the others wait for it meanwhile, while they hear its
 heartbeats of the range it left (heartbeats_while_moving).
@@ -29,10 +29,11 @@ from hearth.events.models import ShardWithdrawn
 from hearth.inference import InferenceError
 from hearth.inference.cache_ranges import release_range
 from hearth.inference.devices import device_memory_available_bytes
-from hearth.inference.checkpoint import looks_like_local_path
+from hearth.inference.checkpoint import is_local_model
 from hearth.inference.memory import MiB, shown_mb
 from hearth.readmodels.catch_up import read_model_caught_up
 from hearth.readmodels.queries import coverage_text
+from hearth.readmodels.scratch_model import ScratchModelGivenUp
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
 from hearth.services.common.lifecycle import Stopped, unless_stopped
@@ -40,11 +41,10 @@ from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
 from hearth.services.host.coverage import (
-    MOVED, CoverageReader, coverage_from, earlier_shards_gone, warn_of_other_schemes,
+    MOVED, CoverageReader, coverage_from, coverage_model, earlier_shards_gone, warn_of_other_schemes,
 )
 from hearth.services.host.model_layout import ModelLayout, model_layout
 from hearth.services.host.moving import Move, heartbeats_while_moving, say_move_abandoned
-from hearth.services.host.coverage_model import CoverageModel
 from hearth.services.host.planner import LayerRange, better_range, choose_range
 from hearth.services.shard.main import (
     ShardInputRefused,
@@ -163,8 +163,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     except (InferenceError, WeightsStoreError, ValueError, KeyError, OSError) as error:
         # A model of this machine's (a folder, a GGUF, an Ollama model) that cannot be read is the caller's input (exit
         # 2); a hub or store model may be unreadable for now (the network, the broker).
-        local = looks_like_local_path(model) or not model.strip() or Path(model).expanduser().exists()
-        refused = ShardRefused if isinstance(error, OSError) or not local else ShardInputRefused
+        refused = ShardRefused if isinstance(error, OSError) or not is_local_model(model) else ShardInputRefused
         raise refused(f"cannot plan a range of {model}: {(str(error).splitlines() or [repr(error)])[0]}") from None
     except Exception as error:  # the broker's refusals and timeouts while reading the store's manifest
         raise ShardRefused(f"cannot read {model} from the store: {type(error).__name__}: {error}") from None
@@ -180,7 +179,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
     metrics_server = None
     with ScratchFolder("hearth-host-") as folder:
-        model_view = CoverageModel(Path(folder), nc.jetstream(), settings)
+        model_view = coverage_model(Path(folder), nc.jetstream(), settings)
         try:
             # Served once for the host's life: its figures carry on across a move (the range is a label).
             metrics_server = serve_process_metrics(metrics_port, f"host {node}", host=settings.metrics.host)
@@ -217,6 +216,8 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
                         raise
                     log.warning("host %s: another process of this node serves layers %s: choosing again", node,
                                 ", ".join(map(str, sorted(taken, key=lambda taken_range: taken_range.lo))))
+        except ScratchModelGivenUp as error:  # the disk damages every file: one line
+            raise ShardRefused(str(error)) from None
         finally:
             await model_view.stop()
             if metrics_server is not None:

@@ -9,6 +9,7 @@ from nats.aio.client import Client as NatsClient
 
 from hearth.events.outbox import EventOutbox
 from hearth.readmodels.runner import Projector
+from hearth.readmodels.scratch_model import ScratchReadModel
 from hearth.services.common.config import HearthSettings
 from hearth.services.orchestrator.answer_kv import AnswerWarmUps
 from hearth.services.orchestrator.canaries import CanaryLibrary
@@ -32,7 +33,8 @@ class RunContext:
     node_id: str
     settings: HearthSettings
     router: ShardRouter
-    projector: Projector
+    # The routing read model: a --db file's projector, or the scratch one rebuilt when found damaged.
+    projector: Projector | ScratchReadModel
     catalog: ModelCatalog
     outbox: EventOutbox
     recent_failures: RecentFailures

@@ -9,14 +9,17 @@ from pathlib import Path
 from hearth.events.outbox_file import OutboxFileUnavailable
 from hearth.events.streams import PIPELINES_STREAM
 from hearth.readmodels.db import ReadModelUnusable
+from hearth.readmodels.scratch_model import ScratchModelGivenUp
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.event_trust import broker_clock_watch
 from hearth.services.common.hearth_files import state_dir
-from hearth.services.common.lifecycle import CommandRefused, Stopped, unless_stopped, write_ready_file
+from hearth.services.common.lifecycle import (CommandInputRefused, CommandRefused, Stopped, unless_stopped,
+                                              write_ready_file)
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close
 from hearth.services.orchestrator.catalog import LocalModelUnusable, ModelCatalog, UnknownModel, is_hub_id, stored_name
 from hearth.services.orchestrator.service import Orchestrator
+from hearth.inference.checkpoint import is_local_model
 from hearth.inference.devices import resolve_placement
 from hearth.inference.errors import InferenceError, first_line
 from hearth.inference.loading import check_checkpoint
@@ -55,11 +58,19 @@ def with_step_timeout(settings: HearthSettings, step_timeout_s: float | None) ->
     return settings.model_copy(update={"transport": transport})
 
 
+def refusal_of(spec: str, line: str) -> CommandRefused:
+    """The one line refusing a model the command line named: the caller's input (exit 2, CommandInputRefused) for a
+    model of this machine, as `hearth host` and `hearth shard` refuse theirs; exit 1 for one fetched from elsewhere
+    (a hub id, `store:NAME`), which may fail for now (the network, the broker)."""
+    return CommandInputRefused(line) if is_local_model(spec) else CommandRefused(line)
+
+
 def check_local_model(options: OrchestratorOptions) -> None:
     """Refuse a --local-model that is not there or whose config does not read or names a family hearth does not
     serve, reading no weight: loaded only when first needed, it would otherwise be listed by llm.models and fail
-    then. A `store:NAME` model, or a hub id not in the local hub cache, is fetched in the background from the start
-    instead, and listed once it has arrived (hearth/services/orchestrator/local_fetch.py)."""
+    then (refusal_of: exit 2 for a path of this machine). A `store:NAME` model, or a hub id not in the local hub
+    cache, is fetched in the background from the start instead, and listed once it has arrived
+    (hearth/services/orchestrator/local_fetch.py)."""
     spec = options.local_model
     if spec is None:
         return
@@ -69,10 +80,25 @@ def check_local_model(options: OrchestratorOptions) -> None:
         path = ModelCatalog(list(options.model_search_dirs), spec).resolve(spec)
         check_checkpoint(path)
     except UnknownModel as error:
-        if not is_hub_id(spec):
-            raise CommandRefused(f"--local-model {spec}: {first_line(error)}") from None
+        if not is_hub_id(spec):  # neither a hub id nor found here: the name of a model of this machine, mistyped
+            raise CommandInputRefused(f"--local-model {spec}: {first_line(error)}") from None
     except InferenceError as error:
-        raise CommandRefused(f"--local-model {spec}: {first_line(error)}") from None
+        raise refusal_of(spec, f"--local-model {spec}: {first_line(error)}") from None
+
+
+def check_local_preloads(options: OrchestratorOptions, preload: list[str]) -> None:
+    """Refuse, before the broker is dialled and reading no weight, a --preload of this machine (a path, a GGUF file,
+    an Ollama model) that is not there or is no checkpoint hearth serves: the caller's input, exit 2, as `hearth host`
+    refuses its --model. Those fetched from elsewhere are refused when preloaded (refusal_of)."""
+    for model in preload:
+        if not is_local_model(model):
+            continue
+        try:
+            check_checkpoint(ModelCatalog(list(options.model_search_dirs)).resolve(model))
+        except UnknownModel as error:  # the words the preload itself would refuse it with
+            raise CommandInputRefused(f"--preload: {first_line(error)}") from None
+        except InferenceError as error:
+            raise CommandInputRefused(f"--preload {model}: {first_line(error)}") from None
 
 
 async def run_orchestrator(settings: HearthSettings, options: OrchestratorOptions, nats_url: str | None, *,
@@ -83,11 +109,12 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
         device, dtype = resolve_placement(options.device or host.device, options.dtype or host.dtype)
         scheme = parse_quantization(options.quantize or host.quantize)
         check_device_supports(scheme, device)
-    except QuantizationError as error:
-        raise CommandRefused(f"--quantize: {error}") from None
+    except QuantizationError as error:  # the caller's input, as for `hearth host` and `hearth shard`: exit 2
+        raise CommandInputRefused(f"--quantize: {error}") from None
     except ValueError as error:
-        raise CommandRefused(str(error)) from None
+        raise CommandInputRefused(str(error)) from None
     await asyncio.to_thread(check_local_model, options)  # reads config and headers: off the event loop
+    await asyncio.to_thread(check_local_preloads, options, preload)
     nc = await unless_stopped(
         connect_nats(nats_url, name=f"hearth-orchestrator {options.node_id}", settings=settings.nats), stop_event)
     orchestrator = Orchestrator(nc, settings, node_id=options.node_id, db_path=options.db_path,
@@ -108,6 +135,8 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
             await orchestrator.start()
         except ReadModelUnusable as error:  # --db a folder, a damaged file: one line, the file left as it was
             raise CommandRefused(f"--db {error}") from None
+        except ScratchModelGivenUp as error:  # no --db, and the disk damages every file written there
+            raise CommandRefused(str(error)) from None
         except OutboxFileUnavailable as error:
             raise CommandRefused(f"{error} (give [orchestrator] event_outbox_dir, "
                                  "HEARTH_ORCHESTRATOR__EVENT_OUTBOX_DIR, a folder this process may write)") from None
@@ -116,19 +145,19 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
             try:
                 await orchestrator.catalog.preload(model)
             except InferenceError as error:  # a checkpoint it cannot serve: one line, not a traceback
-                raise CommandRefused(f"--preload {model}: {first_line(error)}") from None
+                raise refusal_of(model, f"--preload {model}: {first_line(error)}") from None
             except UnknownModel as error:  # no such path, several GGUFs, a name the store lacks: its message names it
-                raise CommandRefused(f"--preload: {first_line(error)}") from None
+                raise refusal_of(model, f"--preload: {first_line(error)}") from None
             except LocalModelUnusable as error:
-                raise CommandRefused(f"--local-model {options.local_model}: {error}") from None
+                raise refusal_of(str(options.local_model), f"--local-model {options.local_model}: {error}") from None
         print(f"orchestrator {options.node_id} ready", flush=True)
         if ready_file:
             write_ready_file(ready_file, options.node_id)
-        try:  # until stopped, or until its read model is found damaged: routing on it would go stale, so one line
-            await unless_stopped(orchestrator.projector.found_unusable.wait(), stop_event)
+        try:  # until stopped, or until its read model can no longer be kept: routing on it would go stale, so one line
+            ending = await unless_stopped(orchestrator.read_model_failed(), stop_event)
         except Stopped:
             return
-        raise CommandRefused(f"--db {orchestrator.projector.unusable}")
+        raise CommandRefused(ending)
     finally:
         if clock_watch is not None:
             await clock_watch.stop()

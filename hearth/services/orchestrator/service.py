@@ -19,7 +19,6 @@ from pathlib import Path
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from pydantic import ValidationError
-from sqlalchemy.orm import sessionmaker
 
 from hearth.events.models import PipelineAborted
 from hearth.events.outbox import EventOutbox
@@ -28,6 +27,7 @@ from hearth.inference.compute_thread import StepThreads
 from hearth.readmodels.catch_up import read_model_caught_up
 from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
+from hearth.readmodels.scratch_model import ScratchReadModel
 from hearth.services.common.call_nonces import MeshNonces
 from hearth.services.common.call_signing import CallRefused
 from hearth.protocol.chat import BadRequest
@@ -69,6 +69,8 @@ from hearth.services.orchestrator.router import ShardRouter
 log = logging.getLogger(__name__)
 
 ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
+# The routing read model in the scratch folder, without --db.
+ROUTING_FILE = "routing.sqlite"
 
 
 class Orchestrator(CallServing):
@@ -85,15 +87,17 @@ class Orchestrator(CallServing):
         self.enabled = settings.research.enable and distributed.enabled
         self.catalog = ModelCatalog(list(model_search_dirs or []), local_model, shard_settings=settings.shard)
         self._tmp_dir: ScratchFolder | None = None
-        if db_path is None:
-            self._tmp_dir = ScratchFolder("hearth-orchestrator-")
-            db_path = self._tmp_dir.path / "routing.sqlite"
-        self.db_path = db_path
         # Routing reads only events the community's roster vouches for (none rejected on an open mesh), and
         # this orchestrator's own events go out signed by its member key.
-        self.projector = Projector(db_path, self.js, verifier=event_verifier(settings),
-                                   retention=retention_policy(settings.readmodels),
-                                   stream_setup=stream_setup(settings.nats))
+        self.projector: Projector | ScratchReadModel
+        if db_path is None:  # purely derived and ours alone: rebuilt from the log if SQLite finds it damaged
+            self._tmp_dir = ScratchFolder("hearth-orchestrator-")
+            self.projector = ScratchReadModel(
+                self._tmp_dir.path, self._new_projector, file_name=ROUTING_FILE, owner="orchestrator",
+                what="routing read model", rebuild_catch_up_s=settings.orchestrator.start_catch_up_timeout_s)
+        else:
+            self.projector = self._new_projector(db_path)
+        self.db_path = db_path
         self.outbox = EventOutbox(self.js, max_queued=settings.orchestrator.event_queue_max,
                                   retry_wait_s=settings.orchestrator.event_retry_wait_s,
                                   publish_delay_s=settings.orchestrator.event_publish_delay_s,
@@ -118,8 +122,24 @@ class Orchestrator(CallServing):
         self._canaries: CanaryRunner | None = None
         self._step_threads = StepThreads(busy_threads)
 
+    def _new_projector(self, path: Path) -> Projector:
+        settings = self.settings
+        return Projector(path, self.js, verifier=event_verifier(settings),
+                         retention=retention_policy(settings.readmodels), stream_setup=stream_setup(settings.nats))
+
+    async def read_model_failed(self) -> str:
+        """Wait until the routing read model can no longer be kept (routing on it would go stale): the line to end
+        with. A `--db` file SQLite finds damaged is the caller's to rebuild; the scratch one only once rebuilding it
+        failed `max_rebuilds` times."""
+        if isinstance(self.projector, ScratchReadModel):
+            await self.projector.found_given_up.wait()
+            return str(self.projector.given_up)
+        await self.projector.found_unusable.wait()
+        return f"--db {self.projector.unusable}"
+
     async def start(self) -> None:
-        """Start serving; OutboxFileUnavailable when `outbox_dir` has no file this process may claim."""
+        """Start serving; OutboxFileUnavailable when `outbox_dir` has no file this process may claim, ReadModelUnusable
+        for a damaged `--db` file, ScratchModelGivenUp when every scratch file given was damaged."""
         await self.outbox.start_in(self.outbox_dir, owner=self.node_id)
         await self._end_calls_left_open()
         await self.projector.start()
@@ -130,7 +150,7 @@ class Orchestrator(CallServing):
         distributed = self.settings.research.distributed_inference
         verification = self.settings.verification
         router = ShardRouter(
-            sessionmaker(self.projector.engine), health_timeout_s=distributed.shard_health_timeout_s,
+            self.projector.session_factory, health_timeout_s=distributed.shard_health_timeout_s,
             allow_self_as_shard=distributed.allow_self_as_shard, self_node_id=self.node_id,
             max_hops=distributed.max_shards_per_request, silent_log_grace_s=distributed.silent_log_grace_s,
             read_model_version=lambda: self.projector.batches_total, node_membership=node_membership(self.settings),

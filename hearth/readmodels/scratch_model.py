@@ -1,12 +1,13 @@
-"""CoverageModel: a `hearth host`'s own read model of the shard events (what its coverage is read from), kept by an
-in-process projector on a scratch SQLite file, and rebuilt from the event log when SQLite finds that file damaged.
+"""ScratchReadModel: a read model one process keeps for itself on a scratch SQLite file (`hearth host`'s coverage,
+`hearth orchestrator`'s routing without --db), kept by an in-process projector and rebuilt from the event log when
+SQLite finds that file damaged.
 
 The file is purely derived (the log holds every event it applied) and nobody else reads it, so a damaged one is no
-reason to stop serving, nor to go on choosing layers on a view that no longer moves (its projector applies nothing
-more once the file is found damaged): one WARNING line says so, a new projector reads the log from its start into
-a fresh file (`coverage-N.sqlite`), reads go on from the old view until the new one has caught up, and the damaged
-file is then moved aside (`….damaged`; the scratch folder goes with the host). A disk that damages every file it is
-given ends the host in one line once `max_rebuilds` rebuilds were damaged too.
+reason to stop serving, nor to go on deciding on a view that no longer moves (its projector applies nothing more once
+the file is found damaged): one WARNING line says so, a new projector reads the log from its start into a fresh file
+(`coverage-N.sqlite`), reads go on from the old view until the new one has caught up, and the damaged file is then
+moved aside (`….damaged`; the scratch folder goes with the process). A disk that damages every file it is given ends
+the process in one line (ScratchModelGivenUp) once `max_rebuilds` rebuilds were damaged too.
 """
 
 from __future__ import annotations
@@ -14,23 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
-from nats.js import JetStreamContext
 from sqlalchemy.orm import Session
 
-from hearth.events.streams import SHARDS_STREAM
 from hearth.readmodels.db import ReadModelUnusable
-from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
-from hearth.services.common.config import HearthSettings
-from hearth.services.common.event_trust import event_verifier, stream_setup
-from hearth.services.common.lifecycle import CommandRefused
 
 log = logging.getLogger(__name__)
 
-COVERAGE_FILE = "coverage.sqlite"
-# Rebuilds in one host's life: past them the disk, not one torn page, is what fails.
+# Rebuilds in one process's life: past them the disk, not one torn page, is what fails.
 max_rebuilds = 3
 # A new projector whose start failed (the broker away) tries again after this.
 start_retry_s = 1.0
@@ -38,29 +33,39 @@ start_retry_s = 1.0
 _SIDE_FILES = ("", "-wal", "-shm")
 
 
-class CoverageModel:
-    """The host's read model of the shard events, in `folder`: `session` reads it, `version` changes whenever it
-    does (a rebuild included), `wait_until_caught_up` waits for it to reach the log's end."""
+class ScratchModelGivenUp(RuntimeError):
+    """The scratch file was found damaged again past `max_rebuilds` rebuilds: one line, for its process to end with."""
 
-    def __init__(self, folder: Path, js: JetStreamContext, settings: HearthSettings) -> None:
+
+class ScratchReadModel:
+    """A process's own read model in `folder`/`file_name`, projected by `new_projector(path)`: `session_factory`
+    reads it, `batches_total` changes whenever it does (a rebuild included), `wait_until_caught_up` waits for it to
+    reach the log's end (as a Projector's do, so either serves a ShardRouter). `owner` and `what` name it in its lines
+    ("host", "coverage read model")."""
+
+    def __init__(self, folder: Path, new_projector: Callable[[Path], Projector], *, file_name: str, owner: str,
+                 what: str, rebuild_catch_up_s: float) -> None:
         self.folder = Path(folder)
-        self._js, self._settings = js, settings
-        self.projector = self._new_projector(self.folder / COVERAGE_FILE)
+        self.file_name, self.owner, self.what = file_name, owner, what
+        self._new_projector, self._rebuild_catch_up_s = new_projector, rebuild_catch_up_s
+        self.projector = new_projector(self.folder / file_name)
         self.rebuilds = 0
         # Batches applied by the projectors before the current one (each new projector counts from 0).
         self._earlier_batches = 0
-        self._given_up: str | None = None
+        self.given_up: str | None = None
+        self.found_given_up = asyncio.Event()
         self._watch: asyncio.Task | None = None
 
-    async def start(self) -> "CoverageModel":
-        """Start projecting (a file found damaged as it starts is rebuilt too); CommandRefused past `max_rebuilds`."""
+    async def start(self) -> "ScratchReadModel":
+        """Start projecting (a file found damaged as it starts is rebuilt too); ScratchModelGivenUp past
+        `max_rebuilds`."""
         while True:
             try:
                 await self.projector.start()
                 break
             except ReadModelUnusable as damaged:
                 self.projector = self._rebuilt_projector(damaged, self.projector, running=False)
-        self._watch = asyncio.create_task(self._rebuild_when_damaged(), name="host-coverage-rebuild")
+        self._watch = asyncio.create_task(self._rebuild_when_damaged(), name=f"{self.owner}-read-model-rebuild")
         return self
 
     async def stop(self) -> None:
@@ -70,19 +75,20 @@ class CoverageModel:
             self._watch = None
         await self.projector.stop()
 
-    def session(self) -> Session:
+    def session_factory(self) -> Session:
         """A session on the current file (a rebuild replaces it)."""
         return self.projector.session_factory()
 
-    def version(self) -> int:
+    @property
+    def batches_total(self) -> int:
         """What changes whenever the read model does (ShardRouter's `read_model_version`): batches applied, counted
         across rebuilds, plus one for each rebuild."""
         return self._earlier_batches + self.rebuilds + self.projector.batches_total
 
     async def wait_until_caught_up(self, timeout_s: float) -> dict[str, int]:
-        """The projector's wait; CommandRefused (one line) once the file was damaged past `max_rebuilds`."""
-        if self._given_up is not None:
-            raise CommandRefused(self._given_up)
+        """The projector's wait; ScratchModelGivenUp (one line) once the file was damaged past `max_rebuilds`."""
+        if self.given_up is not None:
+            raise ScratchModelGivenUp(self.given_up)
         return await self.projector.wait_until_caught_up(timeout_s=timeout_s)
 
     async def _rebuild_when_damaged(self) -> None:
@@ -91,16 +97,16 @@ class CoverageModel:
             damaged = self.projector
             try:
                 fresh = self._rebuilt_projector(damaged.unusable, damaged, running=True)
-            except CommandRefused:
-                return  # said: the next read of the coverage ends the host
+            except ScratchModelGivenUp:
+                return  # said, and `found_given_up` set: its owner ends
             while not await self._started(fresh):
                 try:
                     fresh = self._rebuilt_projector(fresh.unusable, fresh, running=False)
-                except CommandRefused:
+                except ScratchModelGivenUp:
                     return
             # The old view, stale but readable, serves reads until the new one has read the log as it stands.
             with contextlib.suppress(Exception):  # not there in time: the new view's reads wait on their catch-up
-                await fresh.wait_until_caught_up(self._settings.orchestrator.start_catch_up_timeout_s)
+                await fresh.wait_until_caught_up(self._rebuild_catch_up_s)
             self._earlier_batches += damaged.batches_total
             self.projector = fresh
             await damaged.stop()
@@ -119,24 +125,27 @@ class CoverageModel:
             except asyncio.CancelledError:
                 raise
             except Exception as error:
-                log.warning("host: the rebuild of its coverage read model could not start (%s); trying again", error)
+                log.warning("%s: the rebuild of its %s could not start (%s); trying again", self.owner, self.what,
+                            error)
                 await asyncio.sleep(start_retry_s)
 
     def _rebuilt_projector(self, damaged: ReadModelUnusable | None, projector: Projector, *,
                            running: bool) -> Projector:
         """A new projector on a fresh file in place of `projector` (its file moved aside now unless it is `running`:
-        its view serves reads meanwhile), said in one WARNING line; CommandRefused (also logged) past
+        its view serves reads meanwhile), said in one WARNING line; ScratchModelGivenUp (also logged) past
         `max_rebuilds`."""
         if self.rebuilds >= max_rebuilds:
-            self._given_up = (f"{damaged} (the host's own coverage read model, rebuilt {self.rebuilds} times: the disk "
-                              f"under {self.folder} damages what is written there)")
-            log.error("host: %s", self._given_up)
-            raise CommandRefused(self._given_up)
+            self.given_up = (f"{damaged} (the {self.owner}'s own {self.what}, rebuilt {self.rebuilds} times: the disk "
+                             f"under {self.folder} damages what is written there)")
+            log.error("%s: %s", self.owner, self.given_up)
+            self.found_given_up.set()
+            raise ScratchModelGivenUp(self.given_up)
         self.rebuilds += 1
-        fresh_path = self.folder / f"coverage-{self.rebuilds}.sqlite"
+        name = Path(self.file_name)
+        fresh_path = self.folder / f"{name.stem}-{self.rebuilds}{name.suffix}"
         said = (damaged.sqlite_said or str(damaged)) if damaged is not None else "unreadable"
-        log.warning("host: its coverage read model %s is damaged (%s): rebuilding it from the event log into %s, the "
-                    "damaged file moved aside to %s.damaged", projector.db_path, said, fresh_path.name,
+        log.warning("%s: its %s %s is damaged (%s): rebuilding it from the event log into %s, the damaged file moved "
+                    "aside to %s.damaged", self.owner, self.what, projector.db_path, said, fresh_path.name,
                     projector.db_path.name)
         if not running:
             if projector.engine is not None:
@@ -144,14 +153,9 @@ class CoverageModel:
             _move_aside(projector.db_path)
         return self._new_projector(fresh_path)
 
-    def _new_projector(self, path: Path) -> Projector:
-        settings = self._settings
-        return Projector(path, self._js, streams=(SHARDS_STREAM,), retention=retention_policy(settings.readmodels),
-                         verifier=event_verifier(settings), stream_setup=stream_setup(settings.nats))
-
 
 def _move_aside(path: Path) -> None:
-    """`path` and its WAL files renamed to `path`.damaged…, kept for a look while the host runs."""
+    """`path` and its WAL files renamed to `path`.damaged…, kept for a look while the process runs."""
     for suffix in _SIDE_FILES:
         with contextlib.suppress(FileNotFoundError):
             path.with_name(path.name + suffix).replace(path.with_name(f"{path.name}.damaged{suffix}"))
