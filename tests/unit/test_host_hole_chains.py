@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from hearth.services.host.planner import LayerRange, better_range, choose_range, next_range, widest_fit
-from tests.unit.test_host_planner import Mesh, host_settings, mesh, run_for  # noqa: F401 (mesh: a fixture)
+from tests.readmodel_helpers import migrated_engine
+from tests.unit.test_host_planner import Mesh, host_settings, run_for
 
 LAYER = 100
 
@@ -122,6 +125,11 @@ def test_layers_of_unequal_sizes_never_make_hosts_drop_a_last_replica_or_move_in
     """With layers of unequal sizes some covers need two hosts to trade places, which one move at a time cannot do
     without dropping a last replica: the hosts then stay where they are, and never move back and forth."""
     layer_bytes = [100, 200, 100, 100, 300, 100]
+    # 650 bytes on 0-3 and 350 on 4-4 (layer 5 held by nobody) would cover as 2-5 and 0-1: each would first have to
+    # drop layers only it holds.
+    trading = (LayerRange(0, 3), LayerRange(4, 4))
+    assert coverable([650, 350], layer_bytes)
+    assert every_order_of_moves(trading, [650, 350], layer_bytes) == {trading}
     for hosts in range(2, 4):
         for layers in itertools.product(range(1, 7), repeat=hosts):
             budgets = [count * LAYER + LAYER // 2 for count in layers]
@@ -130,13 +138,19 @@ def test_layers_of_unequal_sizes_never_make_hosts_drop_a_last_replica_or_move_in
                     pass  # every_order_of_moves asserts as it goes
 
 
-async def test_hosts_watching_for_holes_close_one_by_a_chain_of_moves(mesh):  # noqa: F811 (a fixture)
+@pytest.fixture
+def six(tmp_path):
+    engine = migrated_engine(tmp_path / "host.db")
+    yield Mesh(engine, layers=6)
+    engine.dispose()
+
+
+async def test_hosts_watching_for_holes_close_one_by_a_chain_of_moves(six):
     """QA's case with the real watch for holes (wait_for_hole) on a read model: each move is carried out in the
     mesh (withdrawn as moved, then advertised on its new range) as soon as it is decided."""
     from hearth.services.host.main import wait_for_hole
 
     settings = host_settings(rebalance_hold_s=0.05, rebalance_check_interval_s=0.01)
-    six = Mesh(mesh.engine, layers=6)
     budgets = {"b": budget(2), "c": budget(2), "d": budget(2)}
     held = {node: (LayerRange(lo, lo + 1), six.add(lo, lo + 1, node)) for node, lo in (("b", 1), ("c", 3), ("d", 4))}
     moves: list[str] = []
