@@ -78,7 +78,7 @@ class HostSettings(ConfigSection):
     rebalance_hold_s: float = Field(
         default=15.0, ge=0,
         description="`hearth host`: a hole must be seen this long (and a range keeping the layers only this host "
-                    "holds must fill some of it) before it moves there")
+                    "holds must fill some of it, or bring the host a step nearer it) before it moves there")
     move_drain_timeout_s: float = Field(
         default=120.0, ge=0,
         description="`hearth host`: moving, it withdraws its range at once (no new call is routed to it) and waits "

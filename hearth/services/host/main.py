@@ -1,7 +1,7 @@
 """The `hearth host` process: read the mesh's coverage, load the contiguous layer range that fits this host's memory
 budget and most improves it (hearth/services/host/planner.py), serve it as `hearth shard` would, and move to fill a hole
-when one opens (a host left), to a range that keeps every layer only this host holds, after the hole has lasted
-`rebalance_hold_s`.
+when one opens (a host left), or a step toward it when only a chain of moves can fill it, to a range that keeps every
+layer only this host holds, after the hole has lasted `rebalance_hold_s`.
 
 The model may be a folder, a GGUF file, a hub id or `store:NAME`: its layers' sizes come from hearth/services/host/
 model_layout.py before anything is fetched, and only the chosen range is then downloaded or fetched.
@@ -45,7 +45,7 @@ from hearth.services.host.coverage import (
 )
 from hearth.services.host.model_layout import ModelLayout, model_layout
 from hearth.services.host.moving import Move, heartbeats_while_moving, say_move_abandoned
-from hearth.services.host.planner import LayerRange, better_range, choose_range
+from hearth.services.host.planner import LayerRange, choose_range, next_range
 from hearth.services.shard.main import (
     ShardInputRefused,
     ShardRefused,
@@ -103,7 +103,8 @@ async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id:
                         weights_budget: int, settings: HearthSettings,
                         leave_out: Set[str] = frozenset()) -> LayerRange:
     """The range to move to, once a hole has lasted `rebalance_hold_s` and a range keeping this host's last replicas
-    fills some of it (planner.better_range).
+    fills some of it (planner.better_range) or, when none does, brings this host a step nearer it so that the next
+    host in the chain can fill it (planner.shifted_range).
 
     Hosts that saw the same hole and hold the same layers must not all move at once (each sees the other holding
     their layers, and together they would drop the last replica): they take turns, the n-th in shard-id order among
@@ -122,8 +123,8 @@ async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id:
     hole_since: float | None = None  # the hole, however long other hosts' moves held this one back
     while True:
         await asyncio.sleep(host.rebalance_check_interval_s * random.uniform(0.5, 1.5))
-        target = better_range(current, await coverage.replicas(leave_out={shard_id, *leave_out}), layer_bytes,
-                              weights_budget)
+        target = next_range(current, await coverage.replicas(leave_out={shard_id, *leave_out}), layer_bytes,
+                            weights_budget)
         now = time.monotonic()
         if target is None:
             seen_since = hole_since = None
@@ -305,8 +306,8 @@ async def _serve_range(chosen: LayerRange, coverage: CoverageReader, nc: NatsCli
                 lost.append(hole_task.exception())  # serving on blind to holes, or ending as if moved, hides it
             elif hole_task in done:
                 moved.append(hole_task.result())
-                log.info("host %s: moving from layers %s to %s, which fills a hole and drops no last replica", node,
-                         chosen, moved[0])
+                log.info("host %s: moving from layers %s to %s, toward the layers nobody holds, dropping no last "
+                         "replica", node, chosen, moved[0])
             elif stop_task.exception() is not None:
                 lost.append(stop_task.exception())
         finally:

@@ -64,15 +64,22 @@ def _score(window: LayerRange, replicas: list[int]) -> tuple:
     return (-sum(1 for count in counts if count == 0), -len(counts), sum(counts), window.lo)
 
 
+def _windows(total_layers: int, layer_bytes: list[int], budget_bytes: int,
+             keeping: Sequence[int] = ()) -> list[LayerRange]:
+    """The widest range that fits from each start, of those that hold every layer of `keeping`."""
+    windows = []
+    for lo in range(min(keeping, default=total_layers - 1) + 1):
+        hi = widest_fit(lo, layer_bytes, budget_bytes)
+        if hi is not None and hi >= max(keeping, default=lo):
+            windows.append(LayerRange(lo, hi))
+    return windows
+
+
 def choose_range(replicas: list[int], layer_bytes: list[int], budget_bytes: int,
                  keeping: Sequence[int] = ()) -> LayerRange | None:
     """The range this host should load: of the widest ranges that fit from each start (and hold every layer of
     `keeping`), the best for coverage."""
-    windows = []
-    for lo in range(min(keeping, default=len(replicas) - 1) + 1):
-        hi = widest_fit(lo, layer_bytes, budget_bytes)
-        if hi is not None and hi >= max(keeping, default=lo):
-            windows.append(LayerRange(lo, hi))
+    windows = _windows(len(replicas), layer_bytes, budget_bytes, keeping)
     if not windows:
         return None
     return min(windows, key=lambda window: _score(window, replicas))
@@ -96,3 +103,33 @@ def better_range(current: LayerRange, replicas_without_me: list[int], layer_byte
         return None
     gain = uncovered(replicas_without_me, candidate) - uncovered(replicas_without_me, current)
     return candidate if gain > 0 else None
+
+
+def shifted_range(current: LayerRange, replicas_without_me: list[int], layer_bytes: list[int],
+                  budget_bytes: int) -> LayerRange | None:
+    """A range one step nearer the lowest layer nobody holds, or None: the move that lets a chain of hosts close a
+    hole none of them can fill alone (budgets of 1, 2, 2, 2 layers of six on 1-2, 3-4, 4-5 and layer 0 missing:
+    3-4 shifts to 2-3, then 1-2 may drop layer 2 and fill 0-1). It keeps every layer of `current` with no other
+    replica, as better_range does, and covers no hole (better_range's moves come first), so the layers nobody
+    holds stay the same and so does the lowest of them; each such move brings one host strictly nearer it (a range
+    above it to a lower start, one below it to a higher end, never across it): with the uncovered layers, which no
+    move adds to, that distance summed over the hosts only falls, so moves end, and none is made without a hole."""
+    holes = [layer for layer, count in enumerate(replicas_without_me) if count == 0 and layer not in current.layers()]
+    if not holes:
+        return None
+    hole = holes[0]
+    last_replicas = [layer for layer in current.layers() if replicas_without_me[layer] == 0]
+    windows = _windows(len(replicas_without_me), layer_bytes, budget_bytes, keeping=last_replicas)
+    if current.lo > hole:  # the nearest lower start that stays above the hole
+        return max((window for window in windows if hole < window.lo < current.lo),
+                   key=lambda window: window.lo, default=None)
+    return min((window for window in windows if current.hi < window.hi < hole),  # the nearest higher end below it
+               key=lambda window: window.hi, default=None)
+
+
+def next_range(current: LayerRange, replicas_without_me: list[int], layer_bytes: list[int],
+               budget_bytes: int) -> LayerRange | None:
+    """Where a host holding `current` should move while some layer has no replica (None: stay): a range that fills
+    some of the hole (better_range), else one a step nearer it (shifted_range). Once every layer is held, nowhere."""
+    return (better_range(current, replicas_without_me, layer_bytes, budget_bytes)
+            or shifted_range(current, replicas_without_me, layer_bytes, budget_bytes))
