@@ -154,7 +154,16 @@ class Roster(BaseModel):
     community: str = Field(min_length=1, max_length=100)
     created_at: datetime
     members: list[Member] = Field(default_factory=list)
+    # Absent from a roster written before removals, and left out of the file while empty (as a member's
+    # `retired_keys`), so a community that never removed a member keeps its roster readable by an older hearth.
     removed: list[RemovedMember] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_removed(self, handler: SerializerFunctionWrapHandler) -> dict:
+        dumped = handler(self)
+        if not self.removed:
+            dumped.pop("removed", None)
+        return dumped
 
     @model_validator(mode="after")
     def _unique(self) -> "Roster":
