@@ -19,6 +19,7 @@ from hearth.events.envelope import (
 )
 from hearth.protocol.bounded_values import Reason
 from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN
+from hearth.protocol.mesh_protocol import max_mesh_protocol
 from hearth.protocol.chat_frames import VerificationOutcome
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, USER_PUBLIC_KEY_LENGTH
 from hearth.trust.roster import MEMBER_NAME_PATTERN
@@ -64,6 +65,9 @@ class ShardAdvertised(EventEnvelope):
     # How the weights are quantized ("none", "int8", "int4/g64"): part of the shard's identity, since a pipeline
     # never mixes schemes; advertisements from before quantization read as "none".
     quantization: Label = "none"
+    # The mesh protocol the shard speaks (hearth/protocol/mesh_protocol.py); absent from a hearth from before
+    # protocol versions, which an orchestrator of another version leaves out of its chains, saying why.
+    protocol: int | None = Field(default=None, ge=1, le=max_mesh_protocol)
 
     @model_validator(mode="after")
     def _layers_inside_the_model(self) -> "ShardAdvertised":
