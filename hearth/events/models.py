@@ -338,9 +338,25 @@ def upcast(raw: dict[str, Any]) -> dict[str, Any]:
 
 def decode_event(data: bytes | str | dict[str, Any]) -> Event:
     """Parse one stored event (JSON bytes or a dict); raises pydantic.ValidationError or ValueError."""
-    if isinstance(data, dict):
-        return _event_adapter.validate_python(upcast(dict(data)))
-    return _event_adapter.validate_python(upcast(_load_json_object(data)))
+    raw = upcast(dict(data) if isinstance(data, dict) else _load_json_object(data))
+    _refuse_another_hearths(raw)
+    return _event_adapter.validate_python(raw)
+
+
+def _refuse_another_hearths(raw: dict[str, Any]) -> None:
+    """ValueError, in one line, for an event only a newer hearth reads: a type this one does not know, or a version
+    of its type past this one's (a breaking change, which read as this hearth's own version would be misread)."""
+    kind, version = raw.get("type"), raw.get("version", 1)
+    if not isinstance(kind, str) or not isinstance(version, int) or isinstance(version, bool):
+        return  # malformed: validation says what is wrong with it
+    model = EVENT_TYPES.get(kind)
+    if model is None:
+        raise ValueError(f"event type {kind[:64]!r} is not one this hearth knows (a newer hearth's?): upgrade it to "
+                         f"read this event")
+    known = model.model_fields["version"].default
+    if version > known:
+        raise ValueError(f"{kind} version {version} is newer than this hearth reads (up to {known}): upgrade it to "
+                         f"read this event")
 
 
 def encode_event(event: EventEnvelope) -> bytes:
