@@ -118,6 +118,15 @@ def test_rosters_of_older_versions_load_and_one_without_rotations_is_written_as_
     assert Roster.load(community.roster_path).by_name("attic").retired_keys
 
 
+def test_a_roster_of_a_newer_format_is_refused_in_one_line_naming_both_formats(community):
+    document = json.loads(community.roster_path.read_text())
+    community.roster_path.write_text(json.dumps({**document, "format": 2, "groups": []}))
+    with pytest.raises(RosterError) as refused:
+        Roster.load(community.roster_path)
+    assert str(refused.value) == (f"{community.roster_path} is a roster of format 2, newer than this hearth reads "
+                                  f"(format 1): upgrade it")
+
+
 def test_the_member_bringing_its_own_key_and_a_failed_write_leave_things_as_they_were(community, monkeypatch):
     seed = community.directory / "keys" / "attic.nk"
     old_seed = seed.read_bytes()
