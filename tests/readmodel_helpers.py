@@ -20,6 +20,7 @@ from hearth.events.models import (
     ShardHeartbeat,
 )
 from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
+from hearth.protocol.mesh_protocol import MESH_PROTOCOL
 from hearth.protocol.subjects import event_subject, shard_id_for
 from hearth.readmodels.db import open_engine, upgrade_database
 from hearth.readmodels.rebuild import UNCOMPARED_COLUMNS
@@ -64,6 +65,7 @@ def advertised(lo: int, hi: int, node: str, *, total: int = MODEL_LAYERS, t: flo
         ttl_s=120.0,
         node_id=node,
         occurred_at=at(t),
+        protocol=MESH_PROTOCOL,  # a shard of this hearth
     )
     fields.update(overrides)
     return ShardAdvertised(**fields)

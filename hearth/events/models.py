@@ -19,6 +19,7 @@ from hearth.events.envelope import (
 )
 from hearth.protocol.bounded_values import Reason
 from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN
+from hearth.protocol.mesh_protocol import max_mesh_protocol
 from hearth.protocol.chat_frames import VerificationOutcome
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, USER_PUBLIC_KEY_LENGTH
 from hearth.trust.roster import MEMBER_NAME_PATTERN
@@ -64,6 +65,9 @@ class ShardAdvertised(EventEnvelope):
     # How the weights are quantized ("none", "int8", "int4/g64"): part of the shard's identity, since a pipeline
     # never mixes schemes; advertisements from before quantization read as "none".
     quantization: Label = "none"
+    # The mesh protocol the shard speaks (hearth/protocol/mesh_protocol.py); absent from a hearth from before
+    # protocol versions, which an orchestrator of another version leaves out of its chains, saying why.
+    protocol: int | None = Field(default=None, ge=1, le=max_mesh_protocol)
 
     @model_validator(mode="after")
     def _layers_inside_the_model(self) -> "ShardAdvertised":
@@ -334,9 +338,25 @@ def upcast(raw: dict[str, Any]) -> dict[str, Any]:
 
 def decode_event(data: bytes | str | dict[str, Any]) -> Event:
     """Parse one stored event (JSON bytes or a dict); raises pydantic.ValidationError or ValueError."""
-    if isinstance(data, dict):
-        return _event_adapter.validate_python(upcast(dict(data)))
-    return _event_adapter.validate_python(upcast(_load_json_object(data)))
+    raw = upcast(dict(data) if isinstance(data, dict) else _load_json_object(data))
+    _refuse_another_hearths(raw)
+    return _event_adapter.validate_python(raw)
+
+
+def _refuse_another_hearths(raw: dict[str, Any]) -> None:
+    """ValueError, in one line, for an event only a newer hearth reads: a type this one does not know, or a version
+    of its type past this one's (a breaking change, which read as this hearth's own version would be misread)."""
+    kind, version = raw.get("type"), raw.get("version", 1)
+    if not isinstance(kind, str) or not isinstance(version, int) or isinstance(version, bool):
+        return  # malformed: validation says what is wrong with it
+    model = EVENT_TYPES.get(kind)
+    if model is None:
+        raise ValueError(f"event type {kind[:64]!r} is not one this hearth knows (a newer hearth's?): upgrade it to "
+                         f"read this event")
+    known = model.model_fields["version"].default
+    if version > known:
+        raise ValueError(f"{kind} version {version} is newer than this hearth reads (up to {known}): upgrade it to "
+                         f"read this event")
 
 
 def encode_event(event: EventEnvelope) -> bytes:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 from hearth.protocol.bounds import (
     SUBJECT_TOKEN_PATTERN, max_id_chars, max_pipeline_hops, max_reason_chars, max_shard_id_chars,
 )
+from hearth.protocol.mesh_protocol import MESH_PROTOCOL, max_mesh_protocol
 from hearth.protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
 from hearth.protocol.subjects import LOCAL_NODE
 
@@ -103,6 +104,10 @@ class OpenHop(BaseModel):
     # starts on the longest run it keeps and answers how many positions that is (`cached_tokens`); its first step,
     # a prefill or a replay, may start anywhere up to them (where every hop of the chain holds them).
     prefix: PrefixBlocks | None = None
+    # The mesh protocol the orchestrator speaks (hearth/protocol/mesh_protocol.py): this hearth's in an open it makes,
+    # absent from one of a hearth from before protocol versions (`told_protocol`), which a shard of another version
+    # refuses as bad_request (a code every version reads), saying why.
+    protocol: int = Field(default=MESH_PROTOCOL, ge=1, le=max_mesh_protocol)
 
     @model_validator(mode="after")
     def _ordered(self) -> "OpenHop":
@@ -116,6 +121,10 @@ class OpenHop(BaseModel):
                 and (self.inbound_link_key is None or self.outbound_link_key is None)):
             raise ValueError("seal_activations needs inbound_link_key and outbound_link_key (seal keys come from them)")
         return self
+
+    def told_protocol(self) -> int | None:
+        """The mesh protocol this open says it speaks; None when it does not say (read from an older hearth's)."""
+        return self.protocol if "protocol" in self.model_fields_set else None
 
     def plain_keys(self) -> tuple[str | None, ...]:
         """The keys this open carries in clear (what `sealed_keys` seals instead)."""

@@ -11,6 +11,7 @@ from itertools import groupby
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, aliased
 
+from hearth.protocol.mesh_protocol import MESH_PROTOCOL
 from hearth.readmodels.kept_prefixes import records_signer
 from hearth.readmodels.projection import PROJECTION_NAME, load_positions
 from hearth.readmodels.reputation import QUARANTINED
@@ -43,6 +44,8 @@ class ShardCandidate:
     decode_step_ms: float | None = None
     # The weight quantization scheme it serves ("none", "int8", "int4/g64"); a pipeline never mixes them.
     quantization: str = "none"
+    # The mesh protocol it speaks (hearth/protocol/mesh_protocol.py; None: a hearth from before protocol versions).
+    protocol: int | None = MESH_PROTOCOL
     # A confirmed mismatch was blamed on it and no steward has cleared it since: never routed.
     quarantined: bool = False
     # Another shard of its node that is quarantined (None: none is): a quarantine holds the node, so this one is not
@@ -103,6 +106,7 @@ def _shards(session: Session, condition) -> list[ShardCandidate]:
             ShardHealth.active_streams,
             ShardHealth.decode_step_ms,
             Shard.quantization,
+            Shard.protocol,
             Shard.dtype,
             Shard.withdrawn_at,
             Shard.withdrawn_reason,

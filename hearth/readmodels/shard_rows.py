@@ -101,6 +101,7 @@ def _shard_advertised(event: ShardAdvertised, rows: BatchRows) -> None:
         total_layers=event.total_layers,
         dtype=event.dtype,
         quantization=event.quantization,
+        protocol=event.protocol,
         memory_required_mb=event.memory_required_mb,
         max_concurrent_streams=event.max_concurrent_streams,
         control_subject=event.control_subject,

@@ -41,6 +41,8 @@ class Shard(Base):
     dtype: Mapped[str] = mapped_column(String, nullable=False)
     quantization: Mapped[str] = mapped_column(
         String, nullable=False, server_default="none", comment="weight quantization scheme: none | int8 | int4/gN")
+    protocol: Mapped[int | None] = mapped_column(
+        Integer, nullable=True, comment="mesh protocol it speaks (NULL: a hearth from before protocol versions)")
     memory_required_mb: Mapped[float] = mapped_column(Float, nullable=False)
     max_concurrent_streams: Mapped[int] = mapped_column(Integer, nullable=False)
     control_subject: Mapped[str] = mapped_column(String, nullable=False)

@@ -40,6 +40,8 @@ DEFAULT_TRUST: dict[Role, TrustLevel] = {"shard": "trusted", "orchestrator": "tr
 # A name becomes a NATS subject token (node ids, inbox prefixes), so no dots, wildcards or spaces.
 MEMBER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
 ROSTER_FILE = "roster.json"
+# What a roster file says it is; fields added since are left out of the file while unused, so an older hearth reads it.
+ROSTER_FORMAT = 1
 KEYS_DIR = "keys"
 SEED_SUFFIX = ".nk"
 # A member's nkey public key as the roster holds it: the pattern (in its JSON schema too), then the checksum and
@@ -150,11 +152,20 @@ class Roster(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal[1] = 1
+    format: Literal[1] = ROSTER_FORMAT
     community: str = Field(min_length=1, max_length=100)
     created_at: datetime
     members: list[Member] = Field(default_factory=list)
+    # Absent from a roster written before removals, and left out of the file while empty (as a member's
+    # `retired_keys`), so a community that never removed a member keeps its roster readable by an older hearth.
     removed: list[RemovedMember] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_removed(self, handler: SerializerFunctionWrapHandler) -> dict:
+        dumped = handler(self)
+        if not self.removed:
+            dumped.pop("removed", None)
+        return dumped
 
     @model_validator(mode="after")
     def _unique(self) -> "Roster":
@@ -272,6 +283,9 @@ class Roster(BaseModel):
             raise RosterError(f"cannot read the roster {path}: {error.strerror}") from None
         except ValidationError as error:
             first = error.errors()[0]
+            if first["loc"] == ("format",) and isinstance(first["input"], int) and first["input"] > ROSTER_FORMAT:
+                raise RosterError(f"{path} is a roster of format {first['input']}, newer than this hearth reads "
+                                  f"(format {ROSTER_FORMAT}): upgrade it") from None
             where = ".".join(str(part) for part in first["loc"]) or "(file)"
             raise RosterError(f"{path} is not a hearth roster: {where}: {first['msg']}") from None
 

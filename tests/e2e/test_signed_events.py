@@ -26,6 +26,7 @@ from hearth.events.streams import ALL_STREAMS
 from hearth.protocol.subjects import shard_control_subject, shard_id_for
 from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.client.chat import chat
+from hearth.protocol.mesh_protocol import MESH_PROTOCOL
 from hearth.protocol.chat import ChatRequest
 from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, TINY_LAYERS, three_shard_mesh
@@ -151,7 +152,7 @@ def forged_events(mesh: LocalCluster, real_shards: dict[str, tuple[str, str]]) -
             node_id=node, shard_id=shard_id, model_id=TINY_MODEL_NAME, weights_sha256=weights, layer_lo=0,
             layer_hi=TINY_LAYERS - 1, total_layers=TINY_LAYERS, dtype="float32", memory_required_mb=1.0,
             max_concurrent_streams=64, control_subject=shard_control_subject(node, shard_id), hop_weight=0.01,
-            ttl_s=86_400.0, occurred_at=occurred_at)
+            ttl_s=86_400.0, occurred_at=occurred_at, protocol=MESH_PROTOCOL)
 
     def withdrawal(node: str, *, occurred_at: datetime = now) -> ShardWithdrawn:
         return ShardWithdrawn(node_id=node, shard_id=host1_shard, reason="forged", occurred_at=occurred_at)

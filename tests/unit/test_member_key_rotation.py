@@ -110,9 +110,21 @@ def test_a_key_once_held_never_comes_back(community):
 
 def test_rosters_of_older_versions_load_and_one_without_rotations_is_written_as_before(community):
     document = json.loads(community.roster_path.read_text())
-    assert all("retired_keys" not in member for member in document["members"])  # an older hearth reads it
+    # An older hearth (one from before key rotation and removals) refuses any key it does not know, so a roster
+    # that uses neither writes only the keys it reads.
+    assert set(document) == {"format", "community", "created_at", "members"}
+    assert all("retired_keys" not in member for member in document["members"])
     community.rotate_key("attic", MemberKey.generate())
     assert Roster.load(community.roster_path).by_name("attic").retired_keys
+
+
+def test_a_roster_of_a_newer_format_is_refused_in_one_line_naming_both_formats(community):
+    document = json.loads(community.roster_path.read_text())
+    community.roster_path.write_text(json.dumps({**document, "format": 2, "groups": []}))
+    with pytest.raises(RosterError) as refused:
+        Roster.load(community.roster_path)
+    assert str(refused.value) == (f"{community.roster_path} is a roster of format 2, newer than this hearth reads "
+                                  f"(format 1): upgrade it")
 
 
 def test_the_member_bringing_its_own_key_and_a_failed_write_leave_things_as_they_were(community, monkeypatch):

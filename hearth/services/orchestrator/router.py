@@ -44,6 +44,7 @@ from sqlalchemy.orm import Session
 
 from hearth.readmodels.queries import (ShardCandidate, all_shards, newest_sign_of_life, quarantined_among,
                                       shards_of_model)
+from hearth.protocol.mesh_protocol import mesh_protocol_refusal
 from hearth.protocol.quarantine import node_quarantine_reason
 from hearth.protocol.quantization_labels import accepts, precision_order
 from hearth.services.orchestrator.capacity import ShardLoad
@@ -171,9 +172,9 @@ class ShardRouter:
         return judged_instant(self._clock(), self._newest_heard_s, self.silent_log_grace_s)
 
     def alive(self, shard: ShardCandidate, now: float) -> bool:
-        """Advertised, not expired, not quarantined (nor any shard of its node), and heard from within the health
-        timeout (busy or not): a quarantined shard, and every shard of its node, is to routing and model discovery
-        not there."""
+        """Advertised, of this orchestrator's mesh protocol, not expired, not quarantined (nor any shard of its
+        node), and heard from within the health timeout (busy or not): a quarantined shard, and every shard of its
+        node, is to routing and model discovery not there."""
         return self.not_alive_because(shard, now) is None
 
     def not_alive_because(self, shard: ShardCandidate, now: float) -> str | None:
@@ -187,6 +188,9 @@ class ShardRouter:
         not_a_member = self._node_membership(shard.node_id) if self._node_membership is not None else None
         if not_a_member is not None:
             return not_a_member
+        other_version = mesh_protocol_refusal(shard.protocol, "it")
+        if other_version is not None:
+            return other_version
         if now >= shard.expires_at:
             return f"advert expired {now - shard.expires_at:.0f} s ago"
         # The advertisement is itself a sign of life, so a shard is routable before its first heartbeat.

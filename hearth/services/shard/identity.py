@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from hearth.events.models import ShardAdvertised
 from hearth.protocol.control import ControlReply, OpenHop
+from hearth.protocol.mesh_protocol import MESH_PROTOCOL
 from hearth.services.common.config_processes import ShardSettings
 
 
@@ -38,7 +39,7 @@ def advertisement(ident: ShardIdentity, settings: ShardSettings, hop_weight: flo
         memory_required_mb=ident.memory_required_mb, max_concurrent_streams=settings.max_concurrent_streams,
         control_subject=ident.control_subject, hop_weight=hop_weight, ttl_s=settings.advertisement_ttl_s,
         device_kind=ident.device_kind, device_name=ident.device_name, kv_cache_budget_mb=ident.kv_cache_budget_mb,
-        quantization=ident.quantization)
+        quantization=ident.quantization, protocol=MESH_PROTOCOL)
 
 
 def open_refusal(request: OpenHop, ident: ShardIdentity, context: int | None,

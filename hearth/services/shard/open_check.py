@@ -7,6 +7,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from hearth.protocol.control import ControlReply, OpenHop
+from hearth.protocol.mesh_protocol import mesh_protocol_refusal
 from hearth.services.common.call_signing import HEADER_CALLER, CallRefused
 from hearth.services.transport.key_seal import keys_for_host
 from hearth.trust.keys import MemberKey
@@ -17,7 +18,11 @@ def checked_open(msg: Msg, request: OpenHop, open_verifier: Any,
     """Whose `open` this is (the roster member whose key signed it; None on an open mesh, where opens are not told
     apart) and the open with its keys unsealed (hearth/services/transport/key_seal.py). An open no member signed
     (or one heard before) is refused: counted apart from the members, it would let one member at its share take
-    the streams left to the others (every orchestrator of a community signs); so is one whose keys do not count."""
+    the streams left to the others (every orchestrator of a community signs); so is one whose keys do not count,
+    and one from an orchestrator of another mesh protocol version."""
+    other_version = mesh_protocol_refusal(request.told_protocol(), "the orchestrator")
+    if other_version is not None:  # before its signature: an older orchestrator's open is refused for what it is
+        return ControlReply(ok=False, code="bad_request", message=other_version)
     opener = None
     if open_verifier is not None:
         checked = open_verifier.check(msg.subject, "", msg.data, msg.headers)
