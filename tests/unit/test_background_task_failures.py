@@ -96,7 +96,7 @@ async def test_a_chat_request_that_fails_before_its_call_is_logged_not_left_unre
     try:
         with caplog.at_level(logging.WARNING):
             await orchestrator._on_request(_ChatRequest())
-            (task,) = orchestrator._requests
+            (task,) = orchestrator._tasks
             await asyncio.wait({task}, timeout=5)
             del task
             gc.collect()

@@ -41,7 +41,7 @@ async def test_a_models_answer_that_fails_is_an_internal_error_frame():
     request = _Request()
     try:
         await orchestrator._on_models_request(request)
-        (task,) = orchestrator._requests
+        (task,) = orchestrator._tasks
         await asyncio.wait({task}, timeout=5)
 
         assert task.done() and task.exception() is None

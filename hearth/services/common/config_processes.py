@@ -138,7 +138,8 @@ class VerificationSettings(ConfigSection):
         default=128, ge=0,
         description="what entered each hop over the positions its shards kept for later calls, held in memory so a "
                     "hop that begins from kept KV can still be checked (least recently used dropped beyond this, "
-                    "a call's that alone exceeds it never kept; such a hop is not checked then)")
+                    "a call's that alone exceeds it never kept, and any unused for [shard] prefix_cache_idle_s "
+                    "dropped as the shards drop its blocks; such a hop is not checked then)")
     record_budget_mb: float = Field(
         default=128.0, gt=0,
         description="what a call's chain may hold in memory of its hops' inputs and outputs for checks; past half "
@@ -214,7 +215,8 @@ class ShardSettings(ConfigSection):
         default=600, ge=0, le=max_event_duration_s,
         description="when a call ends well, its hops keep their KV for the whole blocks of its tokens (within "
                     "kv_cache_budget_mb, giving way first to live sessions) so that a call beginning the same way "
-                    "prefills only the rest; kept blocks unused for this long are dropped (0: keep none). A GPU's "
+                    "prefills only the rest; kept blocks unused for this long are dropped (0: keep none), and an "
+                    "orchestrator forgets what it keeps beside them after as long as its own setting says. A GPU's "
                     "static caches too: a kept prefix holds only its positions, and a new session's whole static "
                     "cache is made room for first")
     cuda_graph_max_tokens: int = Field(

@@ -7,18 +7,21 @@ Without them a shard could lie only in sessions it began from kept KV, where no 
 layer 0 is the tokens' embedding, which the orchestrator computes itself; the input to a later hop's first layer is
 what the hop before sent, recorded by the chain's taps (hearth/services/orchestrator/recording.py) and kept when the
 call ended well, for every layer where one of its hops began. Entries are found by any of their blocks' names (a later
-turn's prefix is an earlier turn's whole), least recently used dropped beyond `[verification] kept_inputs_mb`.
+turn's prefix is an earlier turn's whole), least recently used dropped beyond `[verification] kept_inputs_mb`, and
+any unused for the shards' `[shard] prefix_cache_idle_s` dropped as its blocks are (kept_expiry.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hearth.protocol.control import PrefixBlocks
+from hearth.services.orchestrator.kept_expiry import IdleExpiry, pop_expired
 
 # How long a call's end waits for its taps to file their last steps: they came before its output, so only a tap that
 # missed one waits this long (its running place is held meanwhile).
@@ -30,6 +33,8 @@ class _Entry:
     positions: int
     # Layer index -> [1, positions, hidden]: what entered that layer.
     inputs: dict[int, torch.Tensor]
+    names: tuple[str, ...] = ()
+    last_used_s: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -39,10 +44,18 @@ class _Entry:
 class KeptInputs:
     """Layer inputs over kept prefixes, by block name."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, *, idle_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`idle_s`: how long the shards keep blocks unused (`[shard] prefix_cache_idle_s`; None: entries go only
+        beyond the budget)."""
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # by the name of an entry's last block
+        self._expiry = IdleExpiry(idle_s, clock)
+        # By the name of an entry's last block, least recently used first.
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._by_name: dict[str, tuple[str, int]] = {}  # any block's name -> (entry key, blocks up to it)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     @property
     def total_bytes(self) -> int:
@@ -50,6 +63,7 @@ class KeptInputs:
 
     def inputs(self, prefix: PrefixBlocks, layer: int) -> torch.Tensor | None:
         """What entered `layer` over the positions of `prefix`'s blocks, or None when not kept."""
+        self.drop_expired()
         if not prefix.hashes:
             return None
         found = self._by_name.get(prefix.hashes[-1])
@@ -57,6 +71,7 @@ class KeptInputs:
             return None
         key, blocks = found
         entry = self._entries[key]
+        entry.last_used_s = self._expiry.clock()
         self._entries.move_to_end(key)
         tensor = entry.inputs.get(layer)
         positions = blocks * prefix.block_tokens
@@ -71,7 +86,9 @@ class KeptInputs:
         trimmed = {layer: tensor[:, :positions] for layer, tensor in inputs.items() if tensor.shape[1] >= positions}
         if not kept.hashes or not trimmed or _Entry(positions, trimmed).nbytes > self.budget_bytes:
             return  # one beyond the whole budget would push out every other entry, then itself
-        entry = _Entry(positions, {layer: tensor.clone() for layer, tensor in trimmed.items()})
+        self.drop_expired()
+        entry = _Entry(positions, {layer: tensor.clone() for layer, tensor in trimmed.items()}, tuple(kept.hashes),
+                       self._expiry.clock())
         key = kept.hashes[-1]
         superseded = {self._by_name[name][0] for name in kept.hashes if name in self._by_name} - {key}
         self._entries[key] = entry
@@ -84,12 +101,19 @@ class KeptInputs:
         for old_key in superseded - reached:
             self._entries.pop(old_key, None)
         while self._entries and self.total_bytes > self.budget_bytes:
-            dropped, _ = self._entries.popitem(last=False)
-            self._forget(dropped)
+            self._forget(*self._entries.popitem(last=False))
 
-    def _forget(self, key: str) -> None:
-        for name in [name for name, (owner, _) in self._by_name.items() if owner == key]:
-            del self._by_name[name]
+    def drop_expired(self, limit: int | None = None) -> int:
+        """Drop the entries unused for the shards' idle time (at most `limit`); how many."""
+        dropped = pop_expired(self._entries, lambda entry: entry.last_used_s, self._expiry, limit)
+        for key, entry in dropped:
+            self._forget(key, entry)
+        return len(dropped)
+
+    def _forget(self, key: str, entry: _Entry) -> None:
+        for name in entry.names:
+            if self._by_name.get(name, (None,))[0] == key:
+                del self._by_name[name]
 
 
 def chain_layer_inputs(kept_inputs: KeptInputs, prefix: PrefixBlocks | None, reused_tokens: int,

@@ -35,13 +35,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hearth.protocol.control import PrefixBlocks, max_prefix_blocks
 from hearth.readmodels.queries import KeptChain
 from hearth.services.common.config_processes import PrefixCacheSettings
+from hearth.services.orchestrator.kept_expiry import IdleExpiry, pop_expired
 from hearth.services.orchestrator.router import Hop
 from hearth.trust.keys import MemberKey
 
@@ -175,25 +177,39 @@ def kept_marks(names: Sequence[str], prompt_blocks: int, keeper: MemberKey | Non
 
 
 class KeptChains:
-    """Which chains of this orchestrator kept which blocks (every block's name, most recent last); what routing
-    consults to send a conversation's next turn where its prefix is."""
+    """Which chains of this orchestrator kept which blocks (every block's name, least recently kept first); what
+    routing consults to send a conversation's next turn where its prefix is. A name goes beyond `capacity`, or once
+    not kept again for the shards' idle time (`idle_s`, `[shard] prefix_cache_idle_s`; None: only beyond capacity),
+    when its hops have dropped the block (kept_expiry.py)."""
 
-    def __init__(self, capacity: int = remembered_names) -> None:
+    def __init__(self, capacity: int = remembered_names, *, idle_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = capacity
-        self._by_name: OrderedDict[str, tuple[tuple[tuple[str, int, int], ...], int]] = OrderedDict()
+        self._expiry = IdleExpiry(idle_s, clock)
+        # Name -> (the chain's hops, blocks up to it, when kept).
+        self._by_name: OrderedDict[str, tuple[tuple[tuple[str, int, int], ...], int, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_name)
 
     def remember(self, names: Sequence[str], hops: Sequence[tuple[str, int, int]]) -> None:
-        chain = tuple(hops)
+        self.drop_expired()
+        chain, now_s = tuple(hops), self._expiry.clock()
         for blocks, name in enumerate(names, start=1):
-            self._by_name[name] = (chain, blocks)
+            self._by_name[name] = (chain, blocks, now_s)
             self._by_name.move_to_end(name)
         while len(self._by_name) > self.capacity:
             self._by_name.popitem(last=False)
 
     def holding(self, names: Sequence[str]) -> KeptChain | None:
         """The chain that kept the most leading blocks of `names` (how many: `blocks` of the answer)."""
+        self.drop_expired()
         for blocks in range(len(names), 0, -1):
             kept = self._by_name.get(names[blocks - 1])
             if kept is not None:
                 return KeptChain(kept[0], blocks)
         return None
+
+    def drop_expired(self, limit: int | None = None) -> int:
+        """Forget the names not kept again for the shards' idle time (at most `limit`); how many."""
+        return len(pop_expired(self._by_name, lambda kept: kept[2], self._expiry, limit))

@@ -54,7 +54,9 @@ from hearth.services.orchestrator.catalog import ModelCatalog
 from hearth.events.streams import MiB
 from hearth.services.orchestrator.canaries import CanaryLibrary, CanaryRunner
 from hearth.services.orchestrator.hop_owner import community_open_signer
+from hearth.services.orchestrator.kept_expiry import sweep_expired, sweep_interval_s
 from hearth.services.orchestrator.kept_inputs import KeptInputs
+from hearth.services.orchestrator.prefix import KeptChains
 from hearth.services.orchestrator.context import RunContext
 from hearth.services.orchestrator.guards import RangeGuards
 from hearth.services.orchestrator.discovery import describe_models, is_advertised
@@ -117,7 +119,8 @@ class Orchestrator(CallServing):
                                max_queued_per_caller=limits.max_queued_per_caller,
                                retry_after_s=limits.overloaded_retry_after_s)
         self._subscription = self._own_subscription = self._models_subscription = None
-        self._requests: set[asyncio.Task] = set()
+        # The requests being answered and the sweep of expired kept prefixes' memory: cancelled on stop.
+        self._tasks: set[asyncio.Task] = set()
         self.context: RunContext | None = None
         self._canaries: CanaryRunner | None = None
         self._step_threads = StepThreads(busy_threads)
@@ -156,6 +159,8 @@ class Orchestrator(CallServing):
             read_model_version=lambda: self.projector.batches_total, node_membership=node_membership(self.settings),
         )
         self.catalog.use_advertised(functools.partial(is_advertised, router))
+        # Kept prefixes' memory goes when the shards drop their blocks (as this orchestrator knows their setting).
+        kept_idle_s = self.settings.shard.prefix_cache_idle_s
         self.context = RunContext(
             nc=self.nc, node_id=self.node_id, settings=self.settings, router=router, projector=self.projector,
             catalog=self.catalog, outbox=self.outbox,
@@ -165,10 +170,13 @@ class Orchestrator(CallServing):
             load=ShardLoad(retry_s=self.settings.orchestrator.at_capacity_retry_s),
             guards=RangeGuards(verification.guard_margin, verification.guard_min_positions),
             canaries=CanaryLibrary.configured(verification),
-            kept_inputs=KeptInputs(int(verification.kept_inputs_mb * MiB)),
+            kept_inputs=KeptInputs(int(verification.kept_inputs_mb * MiB), idle_s=kept_idle_s),
+            kept_chains=KeptChains(idle_s=kept_idle_s),
             open_signer=community_open_signer(self.outbox.signing_key, self.settings))
         self._canaries = CanaryRunner(self.context, self._record_event)
         self._canaries.start()
+        owned_task(self._tasks, sweep_expired([self.context.kept_inputs, self.context.kept_chains],
+                                              sweep_interval_s(kept_idle_s)), name="kept-prefix-sweep")
         await read_model_caught_up(self.projector, self.settings.orchestrator.start_catch_up_timeout_s,
                                    going_on="answering calls anyway")
         self._subscription = await self.nc.subscribe(CHAT_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
@@ -204,10 +212,10 @@ class Orchestrator(CallServing):
             if subscription is not None:
                 with contextlib.suppress(Exception):
                     await subscription.unsubscribe()
-        for task in list(self._requests):
+        for task in list(self._tasks):
             task.cancel()
-        if self._requests:
-            await asyncio.gather(*self._requests, return_exceptions=True)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.queue.close()
         for closing in (self._canaries, self.call_nonces):
             if closing is not None:
@@ -224,7 +232,7 @@ class Orchestrator(CallServing):
             self._tmp_dir.cleanup()
 
     async def _on_models_request(self, msg: Msg) -> None:
-        owned_task(self._requests, self._answer_models(msg), name="models-request")
+        owned_task(self._tasks, self._answer_models(msg), name="models-request")
 
     async def _answer_models(self, msg: Msg) -> None:
         if not msg.reply or self._reply_refused(msg):
@@ -266,7 +274,7 @@ class Orchestrator(CallServing):
         return True
 
     async def _on_request(self, msg: Msg) -> None:
-        owned_task(self._requests, self._serve(msg), name="chat-request")
+        owned_task(self._tasks, self._serve(msg), name="chat-request")
 
     async def _caller_admitted(self, msg: Msg) -> str | None | ErrorFrame:
         """The calling member's name (None on an open mesh), or the frame refusing the call: its body or headers
