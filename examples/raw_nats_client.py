@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import secrets
+import ssl
 import sys
 import time
 import uuid
@@ -175,6 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nats", default="nats://127.0.0.1:4222", help="broker URL")
     parser.add_argument("--key", type=Path, help="a roster member's nkey seed file (keys/NAME.nk): log in with it "
                         "and sign calls (a community mesh); absent: an open mesh")
+    parser.add_argument("--tls-ca", type=Path, help="the CA file of a broker that serves TLS (community/tls/ca.pem)")
     parser.add_argument("--member", help="the member's name (default: the key file's stem)")
     parser.add_argument("--models", action="store_true", help="ask llm.models and exit")
     parser.add_argument("--model", help="a model id from llm.models (default: the mesh's default_model)")
@@ -189,6 +191,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def run(args) -> int:
     options: dict = {"servers": [args.nats], "connect_timeout": 5, "max_reconnect_attempts": 2}
     signer = None
+    if args.tls_ca:
+        options["tls"] = ssl.create_default_context(cafile=str(args.tls_ca))
     if args.key:
         member = args.member or args.key.stem
         options.update(nkeys_seed=str(args.key), inbox_prefix=f"_INBOX.{member}")
