@@ -39,8 +39,16 @@ def community_on_a_broker(folder: Path, members: Iterable[tuple[str, str]]
 
 async def as_auditor(community: Community, url: str, work):
     """`work(js)` over a connection as the community's auditor `eve`."""
-    settings = NatsSettings(url=url, creds_file=community.directory / "keys" / "eve.nk")
-    connection = await connect_nats(url, name="test-auditor", settings=settings)
+    return await _as_member(url, community.directory / "keys" / "eve.nk", "test-auditor", work)
+
+
+async def as_steward(community: Community, url: str, work):
+    """`work(js)` over a connection as the community's steward (its system key)."""
+    return await _as_member(url, community.system_key_path, "test-steward", work)
+
+
+async def _as_member(url: str, creds_file: Path, name: str, work):
+    connection = await connect_nats(url, name=name, settings=NatsSettings(url=url, creds_file=creds_file))
     try:
         return await work(connection.jetstream())
     finally:

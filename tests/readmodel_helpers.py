@@ -221,3 +221,12 @@ def with_a_damaged_table(path: Path, table: str) -> Path:
     data[(root - 1) * page_size:root * page_size] = b"\x07" * page_size
     path.write_bytes(bytes(data))
     return path
+
+
+def keys_in(path: Path, table: str, column: str) -> list:
+    """`column` of every row of `table` in the read model at `path` (none while it is not migrated yet)."""
+    with contextlib.closing(sqlite3.connect(path)) as connection:
+        try:
+            return [row[0] for row in connection.execute(f"SELECT {column} FROM {table}")]
+        except sqlite3.OperationalError:
+            return []

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 
 import pytest
 import torch
@@ -22,19 +21,10 @@ from hearth.readmodels.scratch_model import ScratchModelGivenUp
 from hearth.services.host.coverage import COVERAGE_FILE, coverage_model
 from hearth.services.host import main as host_main
 from tests.integration.tiny_shard_server import MODEL
-from tests.readmodel_helpers import with_a_damaged_table
+from tests.readmodel_helpers import keys_in, with_a_damaged_table
 
 KV_RESERVE_MB = 0.02
 wait_s = 60.0
-
-
-def shards_in(path) -> list[str]:
-    """The shard ids in the read model at `path` (none while it is not migrated yet)."""
-    with contextlib.closing(sqlite3.connect(path)) as connection:
-        try:
-            return [row[0] for row in connection.execute("SELECT shard_id FROM shards")]
-        except sqlite3.OperationalError:
-            return []
 
 
 async def test_a_host_rebuilds_its_damaged_coverage_read_model_and_its_view_moves_on(
@@ -55,11 +45,12 @@ async def test_a_host_rebuilds_its_damaged_coverage_read_model_and_its_view_move
     try:
         with caplog.at_level(logging.WARNING):
             async with asyncio.timeout(wait_s):
-                while not (ready.exists() and rebuilt.exists() and shards_in(rebuilt)) and not hosting.done():
+                while not (ready.exists() and rebuilt.exists() and keys_in(rebuilt, "shards", "shard_id")) \
+                        and not hosting.done():
                     await asyncio.sleep(0.05)
         assert not hosting.done(), hosting  # the host serves on
         shard_id = ready.read_text()
-        assert shards_in(rebuilt) == [shard_id]  # its view moved on: its own advert is in it
+        assert keys_in(rebuilt, "shards", "shard_id") == [shard_id]  # its view moved on: its own advert is in it
         assert (scratch / f"{COVERAGE_FILE}.damaged").exists()  # moved aside
         said = [record for record in caplog.records if "coverage" in record.getMessage()]
         assert len(said) == 1 and said[0].levelno == logging.WARNING, said  # one line says it, not an ERROR

@@ -27,7 +27,7 @@ from hearth.services.replay.verify import verify_streams
 from hearth.trust.community import Community
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import Roster
-from tests.community_log import apply_new_messages, as_auditor, community_on_a_broker
+from tests.community_log import apply_new_messages, as_auditor, as_steward, community_on_a_broker
 from tests.readmodel_helpers import advertised, heartbeat
 
 pytestmark = pytest.mark.integration
@@ -100,16 +100,6 @@ def test_a_removal_through_a_community_broker_cuts_at_its_event_live_in_a_rebuil
 
     report = asyncio.run(as_auditor(community, server.url, lambda js: verify_streams(js, verifier, ALL_STREAMS)))
     assert [(bad.stream, bad.seq, bad.reason) for bad in report.bad] == after_the_removal
-
-
-async def as_steward(community: Community, url: str, work):
-    """`work(js)` over a connection as the community's steward (its system key)."""
-    settings = NatsSettings(url=url, creds_file=community.system_key_path)
-    connection = await connect_nats(url, name="test-steward", settings=settings)
-    try:
-        return await work(connection.jetstream())
-    finally:
-        await connection.close()
 
 
 def remove_attic(community, url):

@@ -6,9 +6,7 @@ it ended in one line beginning "--db", though nobody had given a --db."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import sqlite3
 from types import SimpleNamespace
 
 import pytest
@@ -18,20 +16,11 @@ from hearth.services.common.config import load_settings
 from hearth.services.orchestrator import service
 from hearth.services.orchestrator.main import OrchestratorOptions, run_orchestrator
 from tests.event_streams import jetstream_with_streams
-from tests.readmodel_helpers import constructed, with_a_damaged_table
+from tests.readmodel_helpers import constructed, keys_in, with_a_damaged_table
 
 pytestmark = pytest.mark.integration
 
 wait_s = 30.0
-
-
-def pipelines_in(path) -> list[str]:
-    """The pipeline ids in the read model at `path` (none while it is not migrated yet)."""
-    with contextlib.closing(sqlite3.connect(path)) as connection:
-        try:
-            return [row[0] for row in connection.execute("SELECT pipeline_id FROM pipelines")]
-        except sqlite3.OperationalError:
-            return []
 
 
 async def test_an_orchestrator_rebuilds_its_damaged_scratch_routing_read_model_and_serves_on(
@@ -55,10 +44,10 @@ async def test_an_orchestrator_rebuilds_its_damaged_scratch_routing_read_model_a
             async with jetstream_with_streams(nats_server.url, "test-damaged-routing") as js:
                 await publish_event(js, constructed("p1", ["m:0-3@a"]))
             async with asyncio.timeout(wait_s):
-                while not (rebuilt.exists() and pipelines_in(rebuilt)) and not serving.done():
+                while not (rebuilt.exists() and keys_in(rebuilt, "pipelines", "pipeline_id")) and not serving.done():
                     await asyncio.sleep(0.05)
         assert not serving.done(), serving  # it serves on, rather than ending "--db ..."
-        assert pipelines_in(rebuilt) == ["p1"]  # its view moved on: the call's event is in it
+        assert keys_in(rebuilt, "pipelines", "pipeline_id") == ["p1"]  # its view moved on: the call's event is in it
         assert (scratch / f"{service.ROUTING_FILE}.damaged").exists()  # moved aside
         said = [record for record in caplog.records if "routing read model" in record.getMessage()]
         assert len(said) == 1 and said[0].levelno == logging.WARNING, said  # one line says it, not an ERROR

@@ -22,7 +22,7 @@ from hearth.services.broker.permissions import render_authorization
 from hearth.services.community_cli import community_app
 from hearth.services.replay.verify import verify_streams
 from hearth.trust.roster import SYSTEM_MEMBER, Roster
-from tests.community_log import apply_new_messages, as_auditor, community_on_a_broker
+from tests.community_log import apply_new_messages, as_auditor, as_steward, community_on_a_broker
 
 pytestmark = pytest.mark.integration
 
@@ -188,15 +188,3 @@ def test_a_shard_host_started_after_the_rotation_left_the_stream_trusts_the_key_
         # Without the kept file the roster's (old) key is the steward's again: the defect this file mends.
         assert signers(asyncio.run(shard_host(None))) == [SYSTEM_MEMBER, "unknown_signer"]
         assert signers(asyncio.run(shard_host(state))) == ["unknown_signer", SYSTEM_MEMBER]
-
-
-async def as_steward(community, url: str, work):
-    from hearth.services.broker.connection import connect_nats
-    from hearth.services.common.config import NatsSettings
-
-    settings = NatsSettings(url=url, creds_file=community.system_key_path)
-    connection = await connect_nats(url, name="test-steward", settings=settings)
-    try:
-        return await work(connection.jetstream())
-    finally:
-        await connection.close()
