@@ -19,7 +19,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Set
+from collections.abc import Callable, Set
 from pathlib import Path
 
 import torch
@@ -43,9 +43,10 @@ from hearth.services.broker.connection import connect_nats, drain_or_close, unti
 from hearth.services.host.coverage import (
     MOVED, CoverageReader, coverage_from, coverage_model, earlier_shards_gone, warn_of_other_schemes,
 )
+from hearth.services.host.last_range import LastRange, last_range_file, remember_range, remembered_range
 from hearth.services.host.model_layout import ModelLayout, model_layout
 from hearth.services.host.moving import Move, heartbeats_while_moving, say_move_abandoned
-from hearth.services.host.planner import LayerRange, choose_range, next_range
+from hearth.services.host.planner import LayerRange, choose_range, choose_range_remembering, next_range
 from hearth.services.shard.main import (
     ShardInputRefused,
     ShardRefused,
@@ -196,7 +197,20 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             # would pass for held and the host would choose others, leaving them held by nobody.
             gone = await unless_stopped(earlier_shards_gone(coverage, nc, node, settings), stop_event)
             await warn_of_other_schemes(coverage, node)
-            chosen = choose_range(await coverage.replicas(leave_out=gone), layer_bytes, weights_budget)
+            # The range it served before a restart, preferred when still as good (hosts restarted together by a
+            # power cut each see an empty mesh: they come back to their old ranges, not all to the first one).
+            kept_at = last_range_file(settings, node, served_id)
+            remembered = await asyncio.to_thread(
+                remembered_range, kept_at, node=node, model_id=served_id, weights_sha256=digest,
+                quantization=scheme.label, layer_bytes=layer_bytes, weights_budget=weights_budget)
+            chosen = choose_range_remembering(await coverage.replicas(leave_out=gone), layer_bytes, weights_budget,
+                                              remembered)
+
+            def remember(served: LayerRange) -> None:
+                remember_range(kept_at, LastRange(
+                    model_id=served_id, weights_sha256=digest, quantization=scheme.label, total_layers=total_layers,
+                    weights_budget_bytes=weights_budget, layer_lo=served.lo, layer_hi=served.hi))
+
             taken: set[LayerRange] = set()
             arriving: Move | None = None  # the move this host is making to serve `chosen`
             while chosen is not None and not stop_event.is_set():  # None: stopped (a layer fits, checked above)
@@ -208,7 +222,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
                                                     nats_url=nats_url, layer_bytes=layer_bytes,
                                                     weights_budget=weights_budget, busy_threads=busy_threads,
                                                     ready_file=ready_file, stop_event=stop_event, gone=gone,
-                                                    arriving=arriving)
+                                                    arriving=arriving, remember=remember)
                     chosen, arriving = (move.to if move is not None else None), move
                 except ShardIdTaken:
                     taken.add(chosen)
@@ -254,26 +268,37 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
                              settings: HearthSettings, device: str | None, dtype: str | None, nats_url: str | None,
                              layer_bytes: list[int], weights_budget: int, busy_threads: int | None,
                              ready_file: str | None, stop_event: asyncio.Event,
-                             gone: Set[str] = frozenset(), arriving: Move | None = None) -> Move | None:
+                             gone: Set[str] = frozenset(), arriving: Move | None = None,
+                             remember: Callable[[LayerRange], None] | None = None) -> Move | None:
     """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the Move, once the
     calls going through `chosen` have ended); `arriving`: the move that brings this host here, whose left shard
     goes on heartbeating until `chosen` is advertised (heartbeats_while_moving), and whose move is said abandoned
     (say_move_abandoned) when `chosen` does not load, as is this one's as soon as a stop comes while it drains (it
     then lets the calls end for at most `[shard] stop_drain_timeout_s`, as any stop does: shard.main.drain_for_stop).
     BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could no longer see holes),
-    and the error of a failed read of the coverage likewise."""
+    and the error of a failed read of the coverage likewise. `remember` keeps `chosen` once it is advertised."""
     landed = asyncio.Event()  # `chosen` advertised: the move that brought the host here is over
     beats = None if arriving is None else asyncio.create_task(
         heartbeats_while_moving(nc, settings, node, arriving, landed), name="host-move-heartbeats")
+    remembering = None if remember is None else asyncio.create_task(
+        remember_when_served(landed, chosen, remember), name="host-remember-range")
     try:
         return await _serve_range(chosen, coverage, nc, model=model, model_id=model_id, node=node, settings=settings,
                                   device=device, dtype=dtype, nats_url=nats_url, layer_bytes=layer_bytes,
                                   weights_budget=weights_budget, busy_threads=busy_threads, ready_file=ready_file,
                                   stop_event=stop_event, gone=gone, arriving=arriving, landed=landed)
     finally:
-        if beats is not None:
-            beats.cancel()
-            await asyncio.gather(beats, return_exceptions=True)
+        for task in (beats, remembering):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+
+async def remember_when_served(landed: asyncio.Event, chosen: LayerRange,
+                               remember: Callable[[LayerRange], None]) -> None:
+    """Keep `chosen` as the range last served once it is advertised (`landed`): one that never loaded is not."""
+    await landed.wait()  # cancelled with the range's serving, when it never lands
+    await asyncio.to_thread(remember, chosen)
 
 
 async def _serve_range(chosen: LayerRange, coverage: CoverageReader, nc: NatsClient, *, model: str, model_id: str,

@@ -85,6 +85,27 @@ def choose_range(replicas: list[int], layer_bytes: list[int], budget_bytes: int,
     return min(windows, key=lambda window: _score(window, replicas))
 
 
+def fits_as_chosen(candidate: LayerRange, layer_bytes: list[int], budget_bytes: int) -> bool:
+    """Whether `candidate` is a range choose_range could still choose: the widest that fits from its start."""
+    return candidate.hi < len(layer_bytes) and widest_fit(candidate.lo, layer_bytes, budget_bytes) == candidate.hi
+
+
+def choose_range_remembering(replicas: list[int], layer_bytes: list[int], budget_bytes: int,
+                             remembered: LayerRange | None) -> LayerRange | None:
+    """choose_range, but `remembered` (the range this host last served) when it is still one choose_range could
+    choose (fits_as_chosen) and either no live replica holds any of its layers or it is as good for coverage as the
+    best choice, the lowest layers' tie-break aside: hosts restarted together (a power cut) each see an empty mesh
+    and would all choose the same lowest range, then spread out one move at a time; each takes its old one back. A
+    preference, never an override: it joins no layers another host holds unless choose_range's rules rank it
+    level with their best."""
+    best = choose_range(replicas, layer_bytes, budget_bytes)
+    if remembered is None or best is None or not fits_as_chosen(remembered, layer_bytes, budget_bytes):
+        return best
+    if uncovered(replicas, remembered) == len(remembered.layers()):
+        return remembered
+    return remembered if _score(remembered, replicas)[:-1] == _score(best, replicas)[:-1] else best
+
+
 def uncovered(replicas: list[int], window: LayerRange) -> int:
     return sum(1 for layer in window.layers() if replicas[layer] == 0)
 
