@@ -49,7 +49,8 @@ from hearth.readmodels.positions import PROJECTION_NAME, load_positions, save_po
 from hearth.readmodels.rejections import record_rejection
 from hearth.readmodels.reputation import ReputationEvent, apply_reputation_event
 from hearth.readmodels.retention import RetentionPolicy, history_kept_s
-from hearth.readmodels.shard_rows import ShardEvent, apply_shard_event, heard_at_s, note_heard
+from hearth.readmodels.shard_rows import (ShardEvent, apply_shard_event, clock_skew_s, heard_at_s, note_future_dated,
+                                         note_heard)
 
 if TYPE_CHECKING:
     from hearth.events.consume import SkippedMessage, StoredEvent
@@ -116,12 +117,13 @@ class ReadModelProjection:
                                      samples_per_minute=self.rejected_samples_per_minute)
                     if reason == "future_dated":
                         self._skewed(message, "its events are rejected (future_dated), so its shards are not routed")
+                        note_future_dated(event, rows, clock_skew_s(event, message.time))
                     if rejections is not None:
                         rejections.append(Rejection(message.stream, message.seq, event.type, reason))
                 elif not repeats_what_is_known(event, rows, heard_s := heard_at_s(event, message.time,
                                                                                   self.max_clock_skew_s)):
                     self.handle(event, rows)  # a heartbeat's copy (repeats_what_is_known): no figure, no count
-                    note_heard(event, rows, heard_s)
+                    note_heard(event, rows, heard_s, clock_skew_s(event, message.time))
                     if self._dated_far_behind(event, message, heard_s):
                         self._skewed(message, "its heartbeats read as old, so its shards are not routed")
                     _count_event(event, rows)

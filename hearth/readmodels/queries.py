@@ -56,6 +56,8 @@ class ShardCandidate:
     # When (epoch s) and why it was withdrawn, if it was: "moved" is a `hearth host` moving to another range.
     withdrawn_at: int | None = None
     withdrawn_reason: str | None = None
+    # Its latest heartbeat's date less when the broker stored it, in s (None: no heartbeat, or one from before 0023).
+    clock_skew_s: int | None = None
 
 
 def shards_of_model(session: Session, model_id: str) -> list[ShardCandidate]:
@@ -110,6 +112,7 @@ def _shards(session: Session, condition) -> list[ShardCandidate]:
             Shard.dtype,
             Shard.withdrawn_at,
             Shard.withdrawn_reason,
+            ShardHealth.clock_skew_s,
             func.coalesce(ShardReputation.status == QUARANTINED, False).label("quarantined"),
             node_quarantined_by.label("node_quarantined_by"),
         )

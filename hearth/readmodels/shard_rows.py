@@ -3,7 +3,8 @@ shard_health, and what a shard was counted for (pipelines joined, failovers caus
 shard_stats.
 
 One handler per event type, dispatched by `apply_shard_event` (readmodels.projection calls it, and `note_heard` for a
-heartbeat: when the broker stored it, `heard_at_s`, while the host's clock is near enough); `count_for_shards`
+heartbeat: when the broker stored it, `heard_at_s`, while the host's clock is near enough, and how far its date was
+off, as `note_future_dated` does for one rejected as dated too far ahead); `count_for_shards`
 is how a pipeline's events count against the shards in it too. A shard's state follows its newest event, so an old
 one re-published past the broker's de-duplication window changes nothing.
 """
@@ -49,11 +50,26 @@ def heard_at_s(event: EventEnvelope, stored_at: datetime, max_clock_skew_s: floa
     return math.floor(occurred_s)
 
 
-def note_heard(event: EventEnvelope, rows: BatchRows, heard_s: int) -> None:
-    """Set a heartbeat's shard_health row (its handler just wrote it) to when it was heard (heard_at_s)."""
+def clock_skew_s(event: EventEnvelope, stored_at: datetime) -> int:
+    """How far an event's date is off when the broker stored it, in whole s (positive: dated ahead)."""
+    return round(event.occurred_at.timestamp() - stored_at.timestamp())
+
+
+def note_heard(event: EventEnvelope, rows: BatchRows, heard_s: int, skew_s: int) -> None:
+    """Set a heartbeat's shard_health row (its handler just wrote it) to when it was heard (heard_at_s) and how far
+    its date was off (clock_skew_s)."""
     row = rows.edit(SHARD_HEALTH, event.shard_id) if isinstance(event, ShardHeartbeat) else None
     if row is not None:
-        row["last_seen"] = heard_s
+        row.update(last_seen=heard_s, clock_skew_s=skew_s)
+
+
+def note_future_dated(event: EventEnvelope, rows: BatchRows, skew_s: int) -> None:
+    """Keep on its shard's shard_health row how far ahead a heartbeat rejected `future_dated` was dated (its signer
+    and node were checked first), so routing says why the shard, no longer heard, is left out; nothing else of the
+    row changes, and the next heartbeat applied sets it again."""
+    row = rows.edit(SHARD_HEALTH, event.shard_id) if isinstance(event, ShardHeartbeat) else None
+    if row is not None:
+        row["clock_skew_s"] = skew_s
 
 
 def _new_stats(shard_id: str) -> Callable[[], Row]:
@@ -127,6 +143,7 @@ def _shard_heartbeat(event: ShardHeartbeat, rows: BatchRows) -> None:
         p95_latency_ms=event.p95_latency_ms,
         tokens_served_total=event.tokens_served_total,
         decode_step_ms=event.decode_step_ms,
+        clock_skew_s=None,  # note_heard sets it, from when the broker stored it
     ))
     rows.edit(SHARD_STATS, event.shard_id, _new_stats(event.shard_id))["tokens_served"] = (
         event.tokens_served_total

@@ -72,6 +72,9 @@ class ShardHealth(Base):
         Float, comment="duration: median decode step over the shard's range (NULL: not measured yet)")
     heartbeat_id: Mapped[str | None] = mapped_column(
         String, comment="event id of the heartbeat the row states (NULL: written before 0019)")
+    clock_skew_s: Mapped[int | None] = mapped_column(
+        Integer, comment="duration: its latest heartbeat's date less when the broker stored it, one rejected "
+                         "future_dated included (NULL: written before 0023)")
 
 
 class Pipeline(Base):

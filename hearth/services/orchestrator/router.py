@@ -8,7 +8,9 @@ Rules, in order:
    came yet, at most `health_timeout_s` old), where "now" is the wall clock held back to the newest heartbeat the
    read model has heard, for at most `silent_log_grace_s` (a silent event log is not dead shards: while the
    heartbeats' stream elects a leader or a restarted projector catches up, every shard would look stale at once;
-   a shard silent while others are heard goes stale as before), not quarantined (a confirmed mismatch that no
+   a shard silent while others are heard goes stale as before; one whose latest heartbeat, applied or rejected
+   `future_dated`, was dated beyond `max_clock_skew_s` of when the broker stored it is said to be left out for its
+   host's clock), not quarantined (a confirmed mismatch that no
    steward has cleared: hearth/readmodels/reputation.py) and on a node none of whose shards is quarantined (a
    quarantine holds the node: a shard restarted under another range or scheme is still held), held by a current
    member of the community's roster (a removed member's shards are left out at once, not when their heartbeats
@@ -42,6 +44,7 @@ from typing import Literal
 
 from sqlalchemy.orm import Session
 
+from hearth.events.clock_skew import skew_in_words
 from hearth.readmodels.queries import (ShardCandidate, all_shards, newest_sign_of_life, quarantined_among,
                                       shards_of_model)
 from hearth.protocol.mesh_protocol import mesh_protocol_refusal
@@ -121,6 +124,7 @@ class ShardRouter:
         silent_log_grace_s: float = 0.0,
         read_model_version: Callable[[], int] | None = None,
         node_membership: Callable[[str], str | None] | None = None,
+        max_clock_skew_s: float | None = None,
     ) -> None:
         self._session_factory = session_factory
         self._read_model_version = read_model_version
@@ -135,6 +139,9 @@ class ShardRouter:
         self.self_node_id = self_node_id
         self._clock = clock
         self.max_hops = max_hops
+        # [events] max_clock_skew_s: a shard gone stale or expired while its heartbeats were dated farther off the
+        # broker's clock is left out because of its host's clock, and told so (None: not said).
+        self.max_clock_skew_s = max_clock_skew_s
 
     def pick(self, model_id: str, weights_sha256: str, exclude: Iterable[str] = (),
              quantization: str | None = None) -> list[Hop]:
@@ -192,12 +199,22 @@ class ShardRouter:
         if other_version is not None:
             return other_version
         if now >= shard.expires_at:
-            return f"advert expired {now - shard.expires_at:.0f} s ago"
+            return self.clock_off(shard) or f"advert expired {now - shard.expires_at:.0f} s ago"
         # The advertisement is itself a sign of life, so a shard is routable before its first heartbeat.
         last_seen = max(shard.advertised_at, shard.last_seen or shard.advertised_at)
         if now - last_seen > self.health_timeout_s:
-            return f"not heard from for {now - last_seen:.0f} s (health_timeout_s={self.health_timeout_s:g})"
+            return self.clock_off(shard) or \
+                f"not heard from for {now - last_seen:.0f} s (health_timeout_s={self.health_timeout_s:g})"
         return None
+
+    def clock_off(self, shard: ShardCandidate) -> str | None:
+        """Why `shard`, stale or expired, is so when its latest heartbeat was dated beyond `max_clock_skew_s` of when
+        the broker stored it: read as old (behind), or rejected `future_dated` (ahead). None: its clock is not off."""
+        skew_s = shard.clock_skew_s
+        if self.max_clock_skew_s is None or skew_s is None or abs(skew_s) <= self.max_clock_skew_s:
+            return None
+        off = skew_in_words(skew_s, "the broker's")
+        return f"its clock is {off} (at most {self.max_clock_skew_s:g} s allowed)"
 
     def plan(
         self,

@@ -157,6 +157,7 @@ class Orchestrator(CallServing):
             allow_self_as_shard=distributed.allow_self_as_shard, self_node_id=self.node_id,
             max_hops=distributed.max_shards_per_request, silent_log_grace_s=distributed.silent_log_grace_s,
             read_model_version=lambda: self.projector.batches_total, node_membership=node_membership(self.settings),
+            max_clock_skew_s=self.settings.events.max_clock_skew_s,
         )
         self.catalog.use_advertised(functools.partial(is_advertised, router))
         # Kept prefixes' memory goes when the shards drop their blocks (as this orchestrator knows their setting).
