@@ -64,11 +64,14 @@ OLDER_THAN_LOG_RULES: tuple[OlderThanLogRule, ...] = (
 
 # A row written before a column was recorded holds a mark there (set by the migration that added it): its value is
 # unknown, so a diff does not compare that column where either row holds the mark. When a row's sums began
-# (migration 0014: a row summed before holds 0), a completed call's verification (migration 0020) and how far a
-# shard's latest heartbeat was dated off the broker's clock (migration 0023: NULL until its next heartbeat).
+# (migration 0014: a row summed before holds 0), a completed call's verification (migration 0020), the mesh
+# protocol a shard advertised (migration 0022: NULL until its next advertisement, as for a shard of a hearth from
+# before protocol versions, whose rebuilt row holds NULL too) and how far a shard's latest heartbeat was dated off
+# the broker's clock (migration 0023: NULL until its next heartbeat).
 sums_began_unrecorded = 0
 verification_unrecorded = "unrecorded"
 UNRECORDED_MARKS: dict[str, dict[str, Any]] = {
+    "shards": {"protocol": None},
     "shard_health": {"clock_skew_s": None},
     "shard_stats": {"first_counted_at": sums_began_unrecorded},
     "shard_reputation": {"first_event_at": sums_began_unrecorded},
