@@ -42,16 +42,18 @@ async def test_a_host_rebuilds_its_damaged_coverage_read_model_and_its_view_move
         model=str(MODEL), memory_budget_mb=KV_RESERVE_MB + 1.5 * layer / MiB, nats_url=nats_server.url,
         settings=load_settings(), node_id="node0", device="cpu", ready_file=str(ready), stop_event=stop_event))
     rebuilt = scratch / "coverage-1.sqlite"
+    moved_aside = scratch / f"{COVERAGE_FILE}.damaged"
     try:
         with caplog.at_level(logging.WARNING):
             async with asyncio.timeout(wait_s):
-                while not (ready.exists() and rebuilt.exists() and keys_in(rebuilt, "shards", "shard_id")) \
-                        and not hosting.done():
+                # Until the damaged file is moved aside too: that comes once the rebuilt view has caught up.
+                while not (ready.exists() and rebuilt.exists() and keys_in(rebuilt, "shards", "shard_id")
+                           and moved_aside.exists()) and not hosting.done():
                     await asyncio.sleep(0.05)
         assert not hosting.done(), hosting  # the host serves on
         shard_id = ready.read_text()
         assert keys_in(rebuilt, "shards", "shard_id") == [shard_id]  # its view moved on: its own advert is in it
-        assert (scratch / f"{COVERAGE_FILE}.damaged").exists()  # moved aside
+        assert moved_aside.exists()
         said = [record for record in caplog.records if "coverage" in record.getMessage()]
         assert len(said) == 1 and said[0].levelno == logging.WARNING, said  # one line says it, not an ERROR
         assert "rebuilding it from the event log" in said[0].getMessage() and "\n" not in said[0].getMessage()

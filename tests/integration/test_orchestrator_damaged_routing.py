@@ -36,6 +36,7 @@ async def test_an_orchestrator_rebuilds_its_damaged_scratch_routing_read_model_a
         load_settings(), OrchestratorOptions(node_id="orch-scratch"), nats_server.url, ready_file=str(ready),
         stop_event=stop_event))
     rebuilt = scratch / "routing-1.sqlite"
+    moved_aside = scratch / f"{service.ROUTING_FILE}.damaged"
     try:
         async with asyncio.timeout(wait_s):
             while not ready.exists() and not serving.done():
@@ -44,11 +45,13 @@ async def test_an_orchestrator_rebuilds_its_damaged_scratch_routing_read_model_a
             async with jetstream_with_streams(nats_server.url, "test-damaged-routing") as js:
                 await publish_event(js, constructed("p1", ["m:0-3@a"]))
             async with asyncio.timeout(wait_s):
-                while not (rebuilt.exists() and keys_in(rebuilt, "pipelines", "pipeline_id")) and not serving.done():
+                # Until the damaged file is moved aside too: that comes once the rebuilt view has caught up.
+                while not (rebuilt.exists() and keys_in(rebuilt, "pipelines", "pipeline_id") and moved_aside.exists()) \
+                        and not serving.done():
                     await asyncio.sleep(0.05)
         assert not serving.done(), serving  # it serves on, rather than ending "--db ..."
         assert keys_in(rebuilt, "pipelines", "pipeline_id") == ["p1"]  # its view moved on: the call's event is in it
-        assert (scratch / f"{service.ROUTING_FILE}.damaged").exists()  # moved aside
+        assert moved_aside.exists()
         said = [record for record in caplog.records if "routing read model" in record.getMessage()]
         assert len(said) == 1 and said[0].levelno == logging.WARNING, said  # one line says it, not an ERROR
         assert "rebuilding it from the event log" in said[0].getMessage() and "\n" not in said[0].getMessage()
