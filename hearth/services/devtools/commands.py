@@ -53,11 +53,17 @@ def demo_command(
     = None,
 ) -> None:
     """Run the whole mesh on this machine (NATS, projector, shard hosts, orchestrator) and stream one answer."""
+    from hearth.services.common.lifecycle import end_stopped_process
     from hearth.services.devtools.demo import DemoRun
 
-    code = DemoRun(model=model, shards=shards, prompt=prompt, max_tokens=max_tokens, serve=serve, raw=raw,
+    demo = DemoRun(model=model, shards=shards, prompt=prompt, max_tokens=max_tokens, serve=serve, raw=raw,
                    torch_threads=torch_threads, log_level=cli_state(ctx).log_level, device=device, dtype=dtype,
-                   quantize=quantize, configuration_env=configuration_env(ctx), work_dir=work_dir).run()
+                   quantize=quantize, configuration_env=configuration_env(ctx), work_dir=work_dir)
+    code = demo.run()
+    if demo.stopped:
+        # Everything it started has stopped: end as the other commands do after a stop (exit handlers, no teardown
+        # of every loaded module), which on a machine short of CPU would come after the promised 2 s.
+        end_stopped_process()
     raise typer.Exit(code)
 
 

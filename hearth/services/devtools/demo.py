@@ -103,6 +103,8 @@ class DemoRun:
     quantize: str | None = None
     # What the started processes' environment adds: the configuration file the command was given.
     configuration_env: dict[str, str] = field(default_factory=dict)
+    # True once run() ended on a requested stop (Ctrl-C, SIGTERM, SIGHUP), everything it started stopped.
+    stopped: bool = False
 
     def run(self) -> int:
         # This process only supervises and prints; its own INFO lines would bury the answer (the
@@ -146,6 +148,7 @@ class DemoRun:
             return 1
         except (KeyboardInterrupt, _Stop):
             _say("\ninterrupted")
+            self.stopped = True
             return STOP_EXIT_CODE
         finally:
             # A second Ctrl-C must not cut the shutdown short and leave processes behind.

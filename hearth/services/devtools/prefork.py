@@ -232,16 +232,18 @@ class PreforkLauncher:
                 self._condition.wait(timeout=min(remaining or launcher_poll_interval_s, launcher_poll_interval_s))
 
     def close(self) -> None:
-        """End the launcher at once; children it forked keep running until their owners stop them.
+        """End the launcher at once, as its owner exits; children it forked keep running until their owners stop them.
 
         Killed rather than asked: it keeps nothing worth a clean exit, and it may still be importing (a stop
         while a mesh starts), which would delay its owner's exit by seconds. Killed before its stdin closes: a
-        launcher that reads the end of its stdin takes its owner for gone and ends its children."""
+        launcher that reads the end of its stdin takes its owner for gone and ends its children (once SIGKILL is
+        sent it runs nothing more). Its death is not waited for: freeing a torch-sized address space takes a
+        loaded machine's CPU for a while, and the owner ending now hands the reaping to init."""
         self._process.kill()
         with contextlib.suppress(OSError):
             if self._process.stdin is not None:
                 self._process.stdin.close()
-        self._process.wait(timeout=launcher_poll_interval_s * 5)
+        self._process.poll()
         self._stderr.close()
 
 
