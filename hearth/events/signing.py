@@ -49,6 +49,10 @@ EMITTING_ROLE: dict[str, Role] = {"shard": "shard", "pipeline": "orchestrator", 
 EMITTING_ROLE_BY_TYPE: dict[str, Role] = {"integrity.quarantine_cleared": "system", "member.removed": "system",
                                           "member.key_rotated": "system"}
 
+# How far an event's date may lead the broker's storage time ([events] max_clock_skew_s's default); a read model
+# without a verifier (an open mesh, a rebuild given no roster) judges heartbeats' dates by it too.
+DEFAULT_MAX_CLOCK_SKEW_S = 30.0
+
 # How often a long-running verifier looks at its roster file for a change (a member added or removed).
 roster_recheck_interval_s = 1.0
 

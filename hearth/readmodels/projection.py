@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 
 from hearth.events.clock_skew import ClockSkewReports
 from hearth.events.models import EventEnvelope, MemberRemoved, ShardHeartbeat
-from hearth.events.signing import EventVerifier, RejectionReason
+from hearth.events.signing import DEFAULT_MAX_CLOCK_SKEW_S, EventVerifier, RejectionReason
 from hearth.readmodels.admission import Rejection, record_member_removal, rejection
 from hearth.readmodels.applied_events import (
     preload_applied,
@@ -67,10 +67,11 @@ class ReadModelProjection:
         # None (an open mesh, no roster): every decodable event is applied, as before events were signed.
         self.verifier = verifier
         # How far a host's clock may be off the broker's and its heartbeats still count from when they were stored
-        # (shard_rows.heard_at_s): the verifier's limit unless given (None, an open mesh: by their own dates).
+        # (shard_rows.heard_at_s): the verifier's limit unless given, else the default one, so that a projection with
+        # a verifier and a rebuild without one (an open mesh's, or one given no roster) keep the same rows.
         verifiers_limit = getattr(verifier, "max_clock_skew", None)
-        self.max_clock_skew_s = max_clock_skew_s if max_clock_skew_s is not None or verifiers_limit is None else (
-            verifiers_limit.total_seconds())
+        self.max_clock_skew_s = max_clock_skew_s if max_clock_skew_s is not None else (
+            DEFAULT_MAX_CLOCK_SKEW_S if verifiers_limit is None else verifiers_limit.total_seconds())
         self.skew_reports = ClockSkewReports()  # a node's clock far off the broker's, told once a while
         # Rejected events kept as rows per minute, stream and reason (None, no policy: every one).
         self.rejected_samples_per_minute = None if retention is None else retention.rejected_samples_per_minute
@@ -141,7 +142,7 @@ class ReadModelProjection:
 
     def _dated_far_behind(self, event: EventEnvelope, message: StoredEvent, heard_s: int) -> bool:
         """A heartbeat (published at once, never from an outbox) dated beyond the limit before it was stored."""
-        return (isinstance(event, ShardHeartbeat) and self.max_clock_skew_s is not None
+        return (isinstance(event, ShardHeartbeat)
                 and heard_s < message.time.timestamp() - self.max_clock_skew_s)
 
     def _skewed(self, message: StoredEvent, consequence: str) -> None:
@@ -149,7 +150,7 @@ class ReadModelProjection:
         broker's clock."""
         self.skew_reports.skewed("event", message.event.node_id,
                                  message.event.occurred_at.timestamp() - message.time.timestamp(),
-                                 clock="the broker's clock", allowed_s=self.max_clock_skew_s or 0,
+                                 clock="the broker's clock", allowed_s=self.max_clock_skew_s,
                                  consequence=consequence)
 
     # ---- one handler per event type ---------------------------------------------------------------------

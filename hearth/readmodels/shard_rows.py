@@ -38,14 +38,14 @@ def _older_than_what_is_known(row: Row | None, event: EventEnvelope, *time_colum
     return any(row.get(column) is not None and row[column] > occurred_s for column in time_columns)
 
 
-def heard_at_s(event: EventEnvelope, stored_at: datetime, max_clock_skew_s: float | None) -> int:
+def heard_at_s(event: EventEnvelope, stored_at: datetime, max_clock_skew_s: float) -> int:
     """When a heartbeat counts its shard as heard (shard_health.last_seen): when the broker stored it, while its
-    date is within `max_clock_skew_s` of that ([events], the verifier's; None: an open mesh, its own date). A host
+    date is within `max_clock_skew_s` of that ([events], the verifier's, or its default without one). A host
     whose clock is off by less than the limit is then judged as one whose clock is right (a host 29 s behind would
     otherwise look dead between beats, one ahead be heard in the future), and one farther off stays judged by its
     own date, as a replayed old heartbeat is (nothing it says is news)."""
     occurred_s, stored_s = event.occurred_at.timestamp(), stored_at.timestamp()
-    if max_clock_skew_s is not None and abs(occurred_s - stored_s) <= max_clock_skew_s:
+    if abs(occurred_s - stored_s) <= max_clock_skew_s:
         return math.floor(stored_s)
     return math.floor(occurred_s)
 

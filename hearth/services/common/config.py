@@ -32,6 +32,7 @@ from pydantic_settings import (
 )
 
 from hearth.events.envelope import max_event_hops
+from hearth.events.signing import DEFAULT_MAX_CLOCK_SKEW_S
 from hearth.events.streams import MiB, pipelines_max_age_s, seconds_per_day, shards_max_age_s
 from hearth.services.common.config_aliases import KeysMovedSource, move_aliased_keys
 from hearth.services.common.config_errors import describe_invalid_configuration
@@ -255,7 +256,7 @@ class EventsSettings(ConfigSection):
     """[events]: what a projector accepts from the event log of a community mesh (hearth/events/signing.py)."""
 
     max_clock_skew_s: float = Field(
-        default=30.0, gt=0,
+        default=DEFAULT_MAX_CLOCK_SKEW_S, gt=0,
         description="an event whose occurred_at is more than this after the broker stored it is rejected "
                     "(future_dated), so no timestamp can pin routing")
 
