@@ -13,9 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hearth.events.envelope import Id, Label
 from hearth.services.common.config import HearthSettings
-from hearth.services.common.lifecycle import write_ready_file
 from hearth.services.host.planner import LayerRange, fits_as_chosen
 from hearth.services.shard.kept_events import shard_outbox_dir
+from hearth.trust.keys import write_private_file
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,12 @@ def last_range_file(settings: HearthSettings, node: str, model_id: str) -> Path:
 
 
 def remember_range(path: Path, served: LastRange) -> None:
-    """Write `served` whole (a file beside it renamed over it): a power cut mid-write leaves the old record or none.
-    A disk that refuses it costs only the preference at the next start: a warning."""
+    """Write `served` whole and synced (trust.keys.write_private_file: a file beside it renamed over it), so a power
+    cut mid-write leaves the old record or the new one. A disk that refuses it costs only the preference at the next
+    start: a warning."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_ready_file(path, served.model_dump_json())
+        write_private_file(path, served.model_dump_json().encode())
     except OSError as error:
         log.warning("could not keep the range served (layers %s) in %s: %s", served.layers(), path, error)
 
