@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hearth.services.broker.server import (
     EmbeddedNatsServer,
+    connection_limits_block,
     NatsServerError,
     free_tcp_port,
     readiness_poll_interval_s,
@@ -86,7 +87,9 @@ class ClusterNodeServer(EmbeddedNatsServer):
         # nats-server resolves `include` relative to the including file only.
         shared = os.path.relpath(cluster_config_file().resolve(), self.store_dir.resolve())
         return (f"# hearth nats: cluster node {self.name}; the shared part is nats/{CLUSTER_CONFIG_NAME}\n"
-                f"include {json.dumps(shared)}\n" + (self.tls_block or "") + (self.authorization or ""))
+                f"include {json.dumps(shared)}\n"
+                + connection_limits_block(self.max_connections, self.max_subscriptions)
+                + (self.tls_block or "") + (self.authorization or ""))
 
     def config_environment(self) -> dict[str, str]:
         # nats-server parses each value as configuration: quoted strings stay strings, whatever they hold.

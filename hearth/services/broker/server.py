@@ -116,14 +116,30 @@ def free_tcp_port(host: str = loopback_host) -> int:
         return sock.getsockname()[1]
 
 
+# What one broker admits, whoever connects (nats-server's own defaults: 64K connections, subscriptions unlimited),
+# so no member can exhaust its file descriptors or fill its memory with subscriptions. A community's processes hold
+# a few connections each, an orchestrator some tens of subscriptions per call. nats-server has no limit per user in
+# a configuration file: one member can still take every connection (docs/design.md §11).
+default_max_connections = 1024
+default_max_subscriptions_per_connection = 16384
+
+
+def connection_limits_block(max_connections: int, max_subscriptions: int) -> str:
+    """The server-wide `max_connections` and the per-connection `max_subscriptions` settings."""
+    return f"max_connections: {max_connections}\nmax_subscriptions: {max_subscriptions}\n"
+
+
 def render_server_config(*, host: str, port: int, store_dir: Path, max_payload_bytes: int,
-                         authorization: str | None = None, tls_block: str | None = None) -> str:
+                         authorization: str | None = None, tls_block: str | None = None,
+                         max_connections: int = default_max_connections,
+                         max_subscriptions: int = default_max_subscriptions_per_connection) -> str:
     """The server's configuration; `authorization` is the block `hearth community nats-config` renders,
     `tls_block` a `tls { ... }` block (hearth/services/broker/tls.py)."""
     # sync_interval "always": every acknowledged event is fsynced before the ack (docs/design.md §2).
     return (
         f'listen: "{host}:{port}"\n'
         f"max_payload: {max_payload_bytes}\n"
+        + connection_limits_block(max_connections, max_subscriptions) +
         "jetstream {\n"
         f'  store_dir: "{store_dir}"\n'
         "  sync_interval: always\n"
@@ -146,8 +162,12 @@ class EmbeddedNatsServer:
         start_new_session: bool = False,
         authorization: str | None = None,
         tls_block: str | None = None,
+        max_connections: int = default_max_connections,
+        max_subscriptions: int = default_max_subscriptions_per_connection,
     ) -> None:
         self.host = host
+        self.max_connections = max_connections  # server-wide
+        self.max_subscriptions = max_subscriptions  # per connection
         # None: plain TCP; else nats-server's `tls { ... }` block (hearth/services/broker/tls.py).
         self.tls_block = tls_block
         # None: an open broker (anyone may do anything); else the rendered authorization block.
@@ -215,7 +235,8 @@ class EmbeddedNatsServer:
         """The configuration file's text (a cluster node's is different: hearth/services/broker/cluster.py)."""
         return render_server_config(
             host=self.host, port=self.port, store_dir=self.store_dir / "jetstream",
-            max_payload_bytes=self.max_payload_bytes, authorization=self.authorization, tls_block=self.tls_block)
+            max_payload_bytes=self.max_payload_bytes, authorization=self.authorization, tls_block=self.tls_block,
+            max_connections=self.max_connections, max_subscriptions=self.max_subscriptions)
 
     def config_environment(self) -> dict[str, str]:
         """Variables the configuration file reads from the environment (none for a single server)."""
