@@ -131,3 +131,21 @@ def test_only_members_whose_role_may_call_are_answered(tmp_path):
         expected = f"accepted {names[role]}" if role in ("client", "system") else "role_may_not_call"
         assert reason(calls.check(SUBJECT, REPLY, BODY, headers, now_s=NOW_S)) == expected, role
         assert reason(opens.check(SUBJECT, REPLY, BODY, headers, now_s=NOW_S)) == f"accepted {names[role]}"
+
+
+def test_a_key_the_log_retired_signs_no_call_whatever_the_roster_copy_says():
+    _, alice, bob, _ = community()
+    retired: set[str] = set()
+    roster = Roster(community="t", created_at=datetime.now(timezone.utc))
+    for name, key in (("alice", alice), ("bob", bob)):
+        roster = roster.with_member(new_member(name, "client", key.public_key, "trusted"))
+    verifier = CallVerifier(roster, max_clock_skew_s=30, min_caller_trust="member",
+                            logged_retired_keys=lambda: retired)
+    call = signed_call_headers(alice, SUBJECT, REPLY, BODY, now_s=NOW_S)
+    assert reason(verifier.check(SUBJECT, REPLY, BODY, call, now_s=NOW_S)) == "accepted alice"
+    retired.add(alice.public_key)  # the removal read from the log, the roster copy unchanged
+    refused = verifier.check(SUBJECT, REPLY, BODY, signed_call_headers(alice, SUBJECT, REPLY, BODY, now_s=NOW_S),
+                             now_s=NOW_S)
+    assert reason(refused) == "unknown_signer" and "removed" in refused.message
+    bob_call = signed_call_headers(bob, SUBJECT, "_INBOX.bob.x", BODY, now_s=NOW_S)
+    assert reason(verifier.check(SUBJECT, "_INBOX.bob.x", BODY, bob_call, now_s=NOW_S)) == "accepted bob"

@@ -20,7 +20,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from hearth.events.clock_skew import ClockSkewReports, skew_in_words
@@ -97,12 +97,14 @@ class CallVerifier:
     nonce, trust at least `min_caller_trust`, and a role among `caller_roles` (None: any role; an orchestrator's
     check of calls gives CALLER_ROLES: hearth/services/common/event_trust.py, call_verifier).
     `logged_steward_keys`: the steward keys the event streams' logs named so far, each with the one it succeeded
-    (None: the roster alone says whose key is the steward's)."""
+    (None: the roster alone says whose key is the steward's); `logged_retired_keys`: the keys the logs' removals and
+    rotations retired so far, refused whatever the roster says (None: the roster alone says)."""
 
     def __init__(self, roster: Roster | Callable[[bool], Roster], *, max_clock_skew_s: float,
                  min_caller_trust: TrustLevel, signed: str = "call", receiver: str = "orchestrator",
                  caller_roles: tuple[Role, ...] | None = None,
-                 logged_steward_keys: Callable[[], Iterable[tuple[str, str]]] | None = None) -> None:
+                 logged_steward_keys: Callable[[], Iterable[tuple[str, str]]] | None = None,
+                 logged_retired_keys: Callable[[], Collection[str]] | None = None) -> None:
         # A callable (given `recheck`: look at the roster file again now) is asked on every call: a long-running
         # orchestrator must know the members a steward added since it started.
         self._roster = roster if callable(roster) else (lambda recheck: roster)
@@ -113,6 +115,7 @@ class CallVerifier:
         self.signed, self.receiver = signed, receiver
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._logged_steward_keys = logged_steward_keys or tuple
+        self._logged_retired_keys = logged_retired_keys or frozenset
         self._skew_reports = ClockSkewReports()
 
     @property
@@ -154,6 +157,10 @@ class CallVerifier:
     def _signed_by(self, subject: str, reply: str, body: bytes, headers: Mapping[str, str]) -> Member | CallRefused:
         """The member whose key signed it, or why not (its key no member's, its signature not matching)."""
         signer, timestamp = headers[HEADER_CALLER], headers[HEADER_CALLER_TIME]
+        if signer in self._logged_retired_keys():
+            # The log reaches every household at once, a roster copy whenever it is handed out.
+            return CallRefused("unknown_signer", f"the {self.signed}'s key was removed from this community (its "
+                                                 "removal or rotation is in the event log)")
         named = list(self._logged_steward_keys())
         member = caller_by_logs(self._roster(False), signer, named) or caller_by_logs(self._roster(True), signer, named)
         if member is None:

@@ -80,7 +80,8 @@ def call_verifier(settings: HearthSettings, steward_keys: StewardKeysFromTheLog 
     return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
                         max_clock_skew_s=settings.events.max_clock_skew_s,
                         min_caller_trust=settings.orchestrator.min_caller_trust, caller_roles=CALLER_ROLES,
-                        logged_steward_keys=steward_keys.named if steward_keys is not None else None)
+                        logged_steward_keys=steward_keys.named if steward_keys is not None else None,
+                        logged_retired_keys=steward_keys.retired_keys if steward_keys is not None else None)
 
 
 def open_verifier(settings: HearthSettings, steward_keys: StewardKeysFromTheLog | None = None) -> CallVerifier | None:
@@ -99,14 +100,17 @@ def open_verifier(settings: HearthSettings, steward_keys: StewardKeysFromTheLog 
         return None
     return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
                         max_clock_skew_s=settings.events.max_clock_skew_s, min_caller_trust="member", signed="open",
-                        receiver="shard", logged_steward_keys=steward_keys.named if steward_keys is not None else None)
+                        receiver="shard", logged_steward_keys=steward_keys.named if steward_keys is not None else None,
+                        logged_retired_keys=steward_keys.retired_keys if steward_keys is not None else None)
 
 
-def node_membership(settings: HearthSettings) -> Callable[[str], str | None] | None:
+def node_membership(settings: HearthSettings,
+                    steward_keys: StewardKeysFromTheLog | None = None) -> Callable[[str], str | None] | None:
     """On a community mesh, what says why a node may not serve shards (its member was removed from the roster or
-    never was in it; None: it may), read from the roster file as it changes; None on an open mesh. A removed
-    member's adverts stay in the read model until they expire, and its heartbeats stored before the removal keep
-    it looking alive for a while: routing must not wait for either."""
+    never was in it, or the logs `steward_keys` follows retired the key the roster gives it; None: it may), read from
+    the roster file as it changes; None on an open mesh. A removed member's adverts stay in the read model until they
+    expire, and its heartbeats stored before the removal keep it looking alive for a while: routing must not wait for
+    either, nor for the household's roster copy."""
     roster_file = community_roster_file(settings.nats)
     if roster_file is None:
         return None
@@ -116,7 +120,10 @@ def node_membership(settings: HearthSettings) -> Callable[[str], str | None] | N
         current = roster.current()
         if current.by_name(node_id) is None:  # perhaps added since the file was last looked at
             current = roster.current(recheck_now=True)
-        if current.by_name(node_id) is not None:
+        member = current.by_name(node_id)
+        if member is not None:
+            if steward_keys is not None and member.public_key in steward_keys.retired_keys():
+                return "its member's key was removed or rotated (the event log says so; this roster copy not yet)"
             return None
         if any(gone.member.name == node_id for gone in current.removed):
             return "its member was removed from the community"

@@ -1,7 +1,8 @@
-"""The steward keys the event streams' logs name, for a process with no read model that checks signed calls or opens
-(an orchestrator's calls, a shard host's opens): it reads each stream's removals subject from its first message and
-follows it, judging each removal and rotation as a projection does (hearth/events/logged_keys.py), so the steward's
-rotation of its own key retires the old key for calls and opens, and names the new one, with no new roster copy.
+"""The steward keys the event streams' logs name, and the member keys they retired, for a process with no read model
+that checks signed calls or opens (an orchestrator's calls, a shard host's opens): it reads each stream's removals
+subject from its first message and follows it, judging each removal and rotation as a projection does
+(hearth/events/logged_keys.py), so the steward's rotation of its own key retires the old key for calls and opens, and
+names the new one, and a member's removal or key rotation retires its key for them, with no new roster copy.
 What it learns it keeps in a file in the process's state folder, read first at its next start
 (hearth/services/common/kept_steward_keys.py): a rotation that has aged out of the streams still counts."""
 
@@ -55,6 +56,12 @@ class StewardKeysFromTheLog:
         named = dict(self._kept_keys.steward_keys)
         named.update(self._logged.steward_keys)  # a stream's own log, where it still holds the rotation
         return [(key, succeeded) for (_, key), succeeded in named.items()]
+
+    def retired_keys(self) -> frozenset[str]:
+        """Every key a verified removal or rotation on any stream read so far retired: it signs no call or open from
+        then on (a call stands at no position in a log), whatever this process's roster copy says. Not kept across a
+        restart: past the streams' retention the roster, which the steward changed first, says it."""
+        return frozenset(key for _, key in self._logged.removed)
 
     async def start(self, catch_up_timeout_s: float = steward_keys_catch_up_s) -> None:
         """Start following, the kept file read first; return once every stream was read to its end, or after

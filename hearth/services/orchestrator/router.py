@@ -13,9 +13,10 @@ Rules, in order:
    host's clock), not quarantined (a confirmed mismatch that no
    steward has cleared: hearth/readmodels/reputation.py) and on a node none of whose shards is quarantined (a
    quarantine holds the node: a shard restarted under another range or scheme is still held), held by a current
-   member of the community's roster (a removed member's shards are left out at once, not when their heartbeats
-   age), not excluded, and with room by this orchestrator's live knowledge (ShardLoad: the streams it holds there
-   and recent `at_capacity` refusals; a heartbeat's `active_streams` is seconds old and not used);
+   member of the community's roster (a removed member's shards are left out at once, by the roster or the event
+   log's removal of its key, not when their heartbeats age), not excluded, and with room by this orchestrator's live
+   knowledge (ShardLoad: the streams it holds there and recent `at_capacity` refusals; a heartbeat's
+   `active_streams` is seconds old and not used);
 2. the chain covering every layer with the least predicted time per token, by dynamic programming over
    layer ranges (hearth/services/orchestrator/predict.py: each shard's measured decode step time from its
    heartbeat, the round trip this orchestrator measured to it, and its queue, which also spreads load

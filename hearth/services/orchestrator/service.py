@@ -156,7 +156,8 @@ class Orchestrator(CallServing):
             self.projector.session_factory, health_timeout_s=distributed.shard_health_timeout_s,
             allow_self_as_shard=distributed.allow_self_as_shard, self_node_id=self.node_id,
             max_hops=distributed.max_shards_per_request, silent_log_grace_s=distributed.silent_log_grace_s,
-            read_model_version=lambda: self.projector.batches_total, node_membership=node_membership(self.settings),
+            read_model_version=lambda: self.projector.batches_total,
+            node_membership=node_membership(self.settings, self.steward_keys),
             max_clock_skew_s=self.settings.events.max_clock_skew_s,
         )
         self.catalog.use_advertised(functools.partial(is_advertised, router))
