@@ -40,9 +40,8 @@ from hearth.services.gateway.errors import (
 )
 from hearth.services.gateway.http_metrics import MODEL_ROUTE_PREFIX, MetricsMiddleware
 from hearth.services.gateway.mesh import ClientGone, Gateway, MeshCall, unless_disconnected
-from hearth.services.gateway.openai_models import (
-    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
-)
+from hearth.services.gateway.openai_answers import ModelCard, ModelList
+from hearth.services.gateway.openai_models import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 # What a browser page from an allowed origin may do ([gateway] cors_allowed_origins): the headers are those OpenAI's

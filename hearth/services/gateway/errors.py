@@ -22,7 +22,7 @@ from hearth.protocol.discovery import ServedModel
 from hearth.protocol.refusals import (
     ARRAY_TOO_LONG, CONTEXT_EXCEEDED, OVER_MAX_REQUEST_BYTES, STRING_TOO_LONG, RefusalReason,
 )
-from hearth.services.gateway.openai_models import ErrorBody, ErrorDetail
+from hearth.services.gateway.openai_answers import ErrorBody, ErrorDetail
 
 # Error codes of the mesh (ErrorCode in protocol.chat_frames) -> (HTTP status, OpenAI error type); the rest are 500.
 _FRAME_STATUS: dict[str, tuple[int, str]] = {
