@@ -3,11 +3,13 @@ client reads from an answer or an error (`code`, `type`, `param`, the request id
 
 from __future__ import annotations
 
+import inspect
+
 import openai
 import pytest
 
 from tests.unit.test_gateway_openai_conformance import openai_client
-from tests.unit.test_withdrawn_tokens import gateway, MODEL  # noqa: F401 (gateway is a fixture)
+from tests.unit.test_withdrawn_tokens import MODEL, done, gateway, token  # noqa: F401 (gateway is a fixture)
 
 HI = [{"role": "user", "content": "hi"}]
 LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
@@ -27,3 +29,66 @@ async def test_fields_that_disagree_are_refused_naming_the_field_in_plain_words(
     assert (refused.value.code, refused.value.param) == ("bad_request", param), refused.value.body
     assert "Value error" not in refused.value.message and f"'{param}'" in refused.value.message, refused.value.message
     assert not scripted.received
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": HI}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi"}),
+])
+@pytest.mark.parametrize("unknown", ["max_token", "min_p"])
+async def test_a_field_openai_does_not_know_is_refused_naming_it_as_openai_refuses_it(gateway, path, body, unknown):
+    """A misspelt field (`max_token`) or another server's extension (vLLM's `min_p`) used to be accepted and change
+    nothing: the answer then silently ran to hearth's default length, or sampled as the client did not ask."""
+    http, scripted = gateway
+    response = await http.post(path, json={**body, unknown: 5})
+    error = response.json()["error"]
+    assert (response.status_code, error["param"], error["type"]) == (400, unknown, "invalid_request_error"), error
+    assert error["message"].startswith(f"Unrecognized request argument supplied: {unknown}"), error
+    assert not scripted.received
+
+
+async def test_a_field_name_of_any_length_is_refused_in_a_short_answer(gateway):
+    http, _ = gateway
+    response = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "x" * 100_000: 1,
+                                                             **{f"k{i}": 1 for i in range(1000)}})
+    error = response.json()["error"]
+    assert response.status_code == 400 and len(error["message"]) < 1_000 and error["param"] is None, error
+
+
+def _client_fields(create) -> set[str]:
+    return {name for name in inspect.signature(create).parameters
+            if name not in ("self", "timeout") and not name.startswith("extra_")}
+
+
+@pytest.mark.parametrize("create, body", [
+    (openai.resources.chat.completions.Completions.create, {"model": MODEL, "messages": HI}),
+    (openai.resources.completions.Completions.create, {"model": MODEL, "prompt": "hi"}),
+])
+async def test_every_field_openai_s_client_sends_is_known_to_the_gateway(gateway, create, body):
+    """Each field of the pinned client's `create` is honoured, refused by name as one hearth cannot honour, or
+    accepted as one that changes nothing: never refused as unknown."""
+    http, scripted = gateway
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    for name in sorted(_client_fields(create) - set(body)):
+        scripted.scripts.append([token(0, "ok"), done(1, 1)])
+        response = await http.post(path, json={**body, name: None})
+        assert response.status_code == 200, (name, response.text)
+        scripted.scripts.clear()
+
+
+async def test_moderation_which_hearth_does_not_run_is_refused_by_name(gateway):
+    http, scripted = gateway
+    with pytest.raises(openai.BadRequestError) as refused:
+        await openai_client(http).chat.completions.create(model=MODEL, messages=HI,
+                                                          moderation={"model": "omni-moderation-latest"})
+    assert refused.value.param == "moderation" and not scripted.received
+
+
+async def test_openai_s_fields_that_change_nothing_are_accepted(gateway):
+    http, scripted = gateway
+    scripted.scripts.append([token(0, "ok"), done(1, 1)])
+    answer = await openai_client(http).chat.completions.create(
+        model=MODEL, messages=HI, user="u", metadata={"a": "b"}, store=False, service_tier="auto",
+        parallel_tool_calls=False, reasoning_effort="low", prediction={"type": "content", "content": "x"},
+        prompt_cache_key="k", safety_identifier="s", verbosity="low")
+    assert answer.choices[0].message.content == "ok"

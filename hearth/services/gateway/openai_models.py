@@ -1,22 +1,23 @@
 """The OpenAI request bodies the gateway takes, of /v1/chat/completions and /v1/completions, and their mapping onto
 hearth's `llm.chat.request` (the objects and stream chunks it answers with are openai_answers.py).
 
-Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` over
-8, the legacy `functions`, `audio`, a content part that is no text) is refused with a message naming it, rather
-than silently ignored; fields that change nothing (`user`, `metadata`, `store`) are accepted. `n` (1-8) asks for
-that many choices, each its own pipeline. `response_format`, `tools` and `tool_choice` go onto the request as they
-are (hearth/protocol/chat_tools.py bounds them); assistant messages with `tool_calls` and `tool` messages are part
-of the history. `logprobs`/`top_logprobs`, the penalties (`repetition_penalty` too, an extension, as is `top_k`)
-and `logit_bias` go onto the request as they are (its validation bounds them, a refusal naming the field).
-Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128).
-hearth's own options, which no other server shares, come in one object `hearth` (`{"hearth": {"verify": "all"}}`),
-so they cannot collide with a field OpenAI adds, and a misspelt one is refused rather than ignored.
+Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` over 8,
+the legacy `functions`, `audio`, `moderation`, a content part that is no text) is refused with a message naming it,
+rather than silently ignored; OpenAI's fields that change nothing (`user`, `metadata`, `store`) are accepted, and a
+field OpenAI's API does not know (misspelt, another server's extension) is refused as OpenAI refuses it. `n` (1-8)
+asks for that many choices, each its own pipeline. `response_format`, `tools` and `tool_choice` go onto the request
+as they are (hearth/protocol/chat_tools.py bounds them); assistant messages with `tool_calls` and `tool` messages
+are part of the history. `logprobs`/`top_logprobs`, the penalties (`repetition_penalty` too, an extension, as is
+`top_k`) and `logit_bias` go onto the request as they are (its validation bounds them, a refusal naming the field).
+Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128). hearth's own
+options, which no other server shares, come in one object `hearth` (`{"hearth": {"verify": "all"}}`), so they cannot
+collide with a field OpenAI adds, and a misspelt one is refused rather than ignored.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,11 +35,18 @@ from hearth.protocol.chat import (
     max_top_logprobs,
 )
 from hearth.protocol.quantization_labels import QuantizationLabel
-from hearth.protocol.refusals import RefusalReason, array_too_long
+from hearth.protocol.refusals import RefusalReason, array_too_long, max_param_chars
 
 openai_temperature_max = 2.0
 openai_max_stop_strings = 4
 openai_seed_bound = 2**63
+# OpenAI's fields of each endpoint that ask nothing hearth could honour or refuse (who calls, what to store, hints
+# for OpenAI's own models and caches): accepted, and change nothing. Any other field the body model does not declare
+# is one OpenAI's API does not know either, and is refused by name, as OpenAI refuses it.
+CHAT_FIELDS_THAT_CHANGE_NOTHING = frozenset({
+    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "verbosity",
+    "prediction", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "safety_identifier"})
+COMPLETION_FIELDS_THAT_CHANGE_NOTHING = frozenset({"user"})
 Item = TypeVar("Item")
 # A list whose first wrong item ends its validation: a body of many wrong items is refused for one, not described
 # item by item (a 1 MB body of them drew tens of MB of error, built on the event loop).
@@ -48,7 +56,7 @@ FailFastList = Annotated[list[Item], Field(fail_fast=True)]
 class Unsupported(BadRequest):
     """A request field hearth refuses (one it cannot honour, or a value it does not take); `param` names it."""
 
-    def __init__(self, param: str, message: str, reason: RefusalReason | None = None) -> None:
+    def __init__(self, param: str | None, message: str, reason: RefusalReason | None = None) -> None:
         super().__init__(message, param=param, reason=reason)
 
 
@@ -145,11 +153,22 @@ class _Sampling(BaseModel):
     # hearth's own options (HearthOptions), checked when mapped so that a refusal names the option.
     hearth: dict[str, Any] | None = None
 
+    # The fields of OpenAI's that this endpoint accepts and that change nothing.
+    fields_that_change_nothing: ClassVar[frozenset[str]] = frozenset()
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _refuse_what_hearth_cannot_do(self) -> None:
+        unknown = [name for name in self.model_extra or {} if name not in self.fields_that_change_nothing]
+        if unknown:
+            # OpenAI's words for it. The name is the client's own: a long one is cut in the message, and not `param`.
+            name = unknown[0]
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise Unsupported(name if len(name) <= max_param_chars else None,
+                              f"Unrecognized request argument supplied: {name[:max_param_chars]}"
+                              f"{'...' if len(name) > max_param_chars else ''}{more}")
         if self.n is not None and self.n > max_choices:
             raise Unsupported("n", f"'n' must be at most {max_choices}: hearth answers at most {max_choices} choices "
                                    f"per request (got {self.n})")
@@ -196,6 +215,8 @@ class _HearthField(BaseModel):
 class ChatCompletionRequest(_Sampling):
     """The body of POST /v1/chat/completions."""
 
+    fields_that_change_nothing = CHAT_FIELDS_THAT_CHANGE_NOTHING
+
     messages: list[OpenAIMessage] = Field(min_length=1, max_length=max_messages)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=max_tokens_limit)
     tools: FailFastList[dict[str, Any]] | None = None
@@ -209,6 +230,7 @@ class ChatCompletionRequest(_Sampling):
     modalities: FailFastList[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
 
     def to_chat_request(self) -> ChatRequest:
         self._refuse_what_hearth_cannot_do()
@@ -222,6 +244,9 @@ class ChatCompletionRequest(_Sampling):
         if self.web_search_options is not None:
             raise Unsupported("web_search_options", "'web_search_options' is not supported by hearth: it does not "
                                                     "search the web")
+        if self.moderation is not None:
+            raise Unsupported("moderation", "'moderation' is not supported by hearth: it runs no moderation of the "
+                                            "input or the answer")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         structured: dict[str, Any] = {}
         for name in ("response_format", "tools", "tool_choice"):
@@ -242,6 +267,8 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     """The body of POST /v1/completions (the legacy text completion)."""
+
+    fields_that_change_nothing = COMPLETION_FIELDS_THAT_CHANGE_NOTHING
 
     prompt: str | FailFastList[str]
     echo: bool | None = None
