@@ -8,6 +8,7 @@ import inspect
 import openai
 import pytest
 
+from hearth.protocol.chat_frames import ErrorFrame
 from tests.unit.test_gateway_openai_conformance import openai_client
 from tests.unit.test_withdrawn_tokens import MODEL, done, gateway, token  # noqa: F401 (gateway is a fixture)
 
@@ -92,3 +93,18 @@ async def test_openai_s_fields_that_change_nothing_are_accepted(gateway):
         parallel_tool_calls=False, reasoning_effort="low", prediction={"type": "content", "content": "x"},
         prompt_cache_key="k", safety_identifier="s", verbosity="low")
     assert answer.choices[0].message.content == "ok"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_carries_its_request_id_where_openai_s_client_reads_it(gateway, stream):
+    """openai-python reads `x-request-id` into `completion._request_id` (and an error's `request_id`): the id the
+    call went to the mesh with, which the orchestrator's log and events name."""
+    http, scripted = gateway
+    scripted.scripts.append([token(0, "ok"), done(1, 1)])
+    raw = await openai_client(http).chat.completions.with_raw_response.create(model=MODEL, messages=HI,
+                                                                                stream=stream)
+    assert raw.headers.get("x-request-id") == scripted.received[-1].request_id
+    scripted.scripts.append([ErrorFrame(seq=0, code="bad_request", message="field 'messages': no")])
+    with pytest.raises(openai.BadRequestError) as refused:
+        await openai_client(http).completions.create(model=MODEL, prompt="hi", stream=stream)
+    assert refused.value.request_id == scripted.received[-1].request_id
