@@ -108,3 +108,14 @@ async def test_an_answer_carries_its_request_id_where_openai_s_client_reads_it(g
     with pytest.raises(openai.BadRequestError) as refused:
         await openai_client(http).completions.create(model=MODEL, prompt="hi", stream=stream)
     assert refused.value.request_id == scripted.received[-1].request_id
+
+
+async def test_a_refusal_no_retry_can_change_tells_openai_s_client_not_to_retry(gateway):
+    """openai-python retries every 5xx (twice by default): `experimental_disabled` (the operator turned the mesh's
+    serving off) would be asked three times for the same answer."""
+    http, scripted = gateway
+    client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="unused", http_client=http, max_retries=2)
+    scripted.scripts += [[ErrorFrame(seq=0, code="experimental_disabled", message="off")] for _ in range(3)]
+    with pytest.raises(openai.InternalServerError) as refused:
+        await client.chat.completions.create(model=MODEL, messages=HI)
+    assert refused.value.code == "experimental_disabled" and len(scripted.received) == 1
