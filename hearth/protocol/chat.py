@@ -10,7 +10,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from hearth.protocol.chat_tools import ResponseFormat, ToolCallList, ToolChoice, ToolList
 from hearth.protocol.quantization_labels import QuantizationLabel
-from hearth.protocol.refusals import RefusalReason, describe_validation_error, refused_field, validation_reason
+from hearth.protocol.refusals import (
+    FieldsDisagree, RefusalReason, describe_validation_error, refused_field, validation_reason,
+)
 
 max_tokens_limit = 8192
 # What a call generates at most when it does not say (hearth/inference/sampling.py mirrors it).
@@ -153,17 +155,19 @@ class ChatRequest(BaseModel):
     def _tools_agree(self) -> "ChatRequest":
         choice = self.tool_choice
         if choice not in (None, "none") and not self.tools:
-            raise ValueError("'tool_choice' other than 'none' needs 'tools'")
+            raise FieldsDisagree("tool_choice", "'tool_choice' other than 'none' needs 'tools'")
         if choice is not None and not isinstance(choice, str):
             names = {tool.function.name for tool in self.tools or []}
             if choice.function.name not in names:
-                raise ValueError(f"'tool_choice' names function {choice.function.name!r}, which 'tools' does not")
+                raise FieldsDisagree("tool_choice", f"'tool_choice' names function {choice.function.name!r}, which "
+                                                    "'tools' does not")
         if self.tools and self.messages is None:
-            raise ValueError("'tools' need 'messages': a raw 'prompt' has no chat template to render them")
+            raise FieldsDisagree("tools", "'tools' need 'messages': a raw 'prompt' has no chat template to render "
+                                          "them")
         calls_tools = bool(self.tools) and choice != "none"
         if calls_tools and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("'response_format' other than text cannot be combined with 'tools' (set "
-                             "'tool_choice': 'none' or leave one out)")
+            raise FieldsDisagree("response_format", "'response_format' other than text cannot be combined with "
+                                                    "'tools' (set 'tool_choice': 'none' or leave one out)")
         return self
 
     @model_validator(mode="after")
@@ -175,7 +179,7 @@ class ChatRequest(BaseModel):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatRequest":
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("'top_logprobs' needs 'logprobs': true")
+            raise FieldsDisagree("top_logprobs", "'top_logprobs' needs 'logprobs': true")
         return self
 
 

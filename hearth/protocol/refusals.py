@@ -39,6 +39,20 @@ def array_too_long(max_length: int, actual: int | None = None) -> str:
     return f"{ARRAY_TOO_LONG}: at most {max_length} items" + (f", not {actual}" if actual else "")
 
 
+class FieldsDisagree(ValueError):
+    """A rule between a request's fields that it breaks (raised in a model validator, whose problem has no field
+    of its own): `param` is the field a refusal names, OpenAI's `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _disagreement(item: dict) -> FieldsDisagree | None:
+    error = (item.get("ctx") or {}).get("error")
+    return error if isinstance(error, FieldsDisagree) else None
+
+
 def describe_validation_error(error: ValidationError) -> str:
     """One line naming the fields `error` refused, the first `max_described_problems` of them."""
     problems = []
@@ -48,6 +62,8 @@ def describe_validation_error(error: ValidationError) -> str:
             problems.append(f"body is not valid JSON: {item['msg']}")
         elif location:
             problems.append(f"field '{location}': {_problem(item)}")
+        elif (disagreement := _disagreement(item)) is not None:
+            problems.append(str(disagreement))  # in its own words, without pydantic's "Value error, "
         else:
             problems.append(item["msg"])
     if error.error_count() > max_described_problems:
@@ -58,8 +74,10 @@ def describe_validation_error(error: ValidationError) -> str:
 def refused_field(error: ValidationError) -> str | None:
     """The field `error` refused first, by its top-level name (OpenAI's `param`); None when no problem names one, or
     when the name is none a frame can carry (an unknown key of the client's, empty or over max_param_chars)."""
-    locations = [item["loc"] for item in error.errors(include_url=False) if item["loc"]]
-    name = str(locations[0][0]) if locations else ""
+    names = [str(item["loc"][0]) if item["loc"] else disagreement.param
+             for item in error.errors(include_url=False)
+             if item["loc"] or (disagreement := _disagreement(item)) is not None]
+    name = names[0] if names else ""
     return name if 0 < len(name) <= max_param_chars else None
 
 

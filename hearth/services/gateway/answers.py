@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from hearth.protocol.chat_frames import DoneFrame, TokenLogprobs
 from hearth.services.gateway.logprobs import chat_logprobs, completion_logprobs
 from hearth.services.gateway.tool_calls import ToolCallBody, ToolCallStream, call_so_far, tool_call_of
-from hearth.services.gateway.openai_models import (
+from hearth.services.gateway.openai_answers import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,

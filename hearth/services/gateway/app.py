@@ -40,9 +40,8 @@ from hearth.services.gateway.errors import (
 )
 from hearth.services.gateway.http_metrics import MODEL_ROUTE_PREFIX, MetricsMiddleware
 from hearth.services.gateway.mesh import ClientGone, Gateway, MeshCall, unless_disconnected
-from hearth.services.gateway.openai_models import (
-    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
-)
+from hearth.services.gateway.openai_answers import ModelCard, ModelList
+from hearth.services.gateway.openai_models import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 # What a browser page from an allowed origin may do ([gateway] cors_allowed_origins): the headers are those OpenAI's
@@ -57,6 +56,8 @@ CORS_HEADERS = (
     # Set by the SDK too; Firefox lets a page set it, so asks for it in the preflight.
     "User-Agent",
 )
+# Where OpenAI's API says a request's id, and its clients read it.
+REQUEST_ID_HEADER = "x-request-id"
 # nginx's "client closed request": recorded in /metrics for calls whose client left before the answer.
 CLIENT_CLOSED_STATUS = 499
 
@@ -138,6 +139,7 @@ class GatewayApp(AnswerDelivery):
                       shape_class: type[AnswerShape], id_prefix: str) -> Response:
         slot = ExitStack()
         call: MeshCall | None = None
+        request_id: str | None = None  # the call's, once the body made one: every answer then names it
         try:
             caller = self.gateway.caller(request.headers.get("authorization"))
             # The slot before the body: a member's bodies are read and validated within its share of calls, so it
@@ -151,6 +153,7 @@ class GatewayApp(AnswerDelivery):
                     chat_request = body.to_chat_request()
                 except BadRequest as error:
                     raise refusal_of(error) from None
+                request_id = chat_request.request_id
                 # The size as published first: an oversized request naming an unknown model asks the mesh nothing.
                 call = self.gateway.call(chat_request, caller)
                 await self.gateway.check_model(chat_request.model)
@@ -166,17 +169,17 @@ class GatewayApp(AnswerDelivery):
                     events = self._events(request.url.path, call, shape, first, answers, body.include_usage)
                     stream = SseResponse(events, call, slot)
                     call, slot = None, ExitStack()  # the response owns them now
-                    return stream
-                return await unless_disconnected(request.receive,
-                                                 self._whole(call, shape, first, answers, chat_request.logprobs))
+                    return _identified(stream, request_id)
+                return _identified(await unless_disconnected(
+                    request.receive, self._whole(call, shape, first, answers, chat_request.logprobs)), request_id)
         except GatewayError as error:
             if error.status >= 500 or error.status == 429:
                 log.info("%s: %s", request.url.path, error)  # the code and message only: never the prompt
-            return error.response()
+            return _identified(error.response(), request_id)
         except (ClientGone, ClientDisconnect):
             return Response(status_code=CLIENT_CLOSED_STATUS)
         except Exception as error:
-            return self._unforeseen(request.url.path, error).response()
+            return _identified(self._unforeseen(request.url.path, error).response(), request_id)
         finally:
             if call is not None:
                 with anyio.CancelScope(shield=True):
@@ -200,6 +203,14 @@ class GatewayApp(AnswerDelivery):
             return body_model.model_validate_json(data)
         except ValidationError as error:
             raise refusal_of(BadRequest.of_validation(error)) from None
+
+def _identified(response: Response, request_id: str | None) -> Response:
+    """`response` with the call's request id as `x-request-id`, where OpenAI's clients read a request's id (openai-
+    python: `completion._request_id`, an error's `request_id`)."""
+    if request_id is not None:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    return response
+
 
 def _unforeseen(route: str, error: Exception, retry_after_s: float) -> GatewayError:
     """`error` as an OpenAI error (a 503's Retry-After `retry_after_s`), logged by its type and where it was raised:

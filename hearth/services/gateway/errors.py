@@ -22,7 +22,7 @@ from hearth.protocol.discovery import ServedModel
 from hearth.protocol.refusals import (
     ARRAY_TOO_LONG, CONTEXT_EXCEEDED, OVER_MAX_REQUEST_BYTES, STRING_TOO_LONG, RefusalReason,
 )
-from hearth.services.gateway.openai_models import ErrorBody, ErrorDetail
+from hearth.services.gateway.openai_answers import ErrorBody, ErrorDetail
 
 # Error codes of the mesh (ErrorCode in protocol.chat_frames) -> (HTTP status, OpenAI error type); the rest are 500.
 _FRAME_STATUS: dict[str, tuple[int, str]] = {
@@ -39,6 +39,9 @@ _FRAME_STATUS: dict[str, tuple[int, str]] = {
 _UNKNOWN_MODEL_PREFIX = "field 'model':"
 _REFUSED_FIELD = re.compile(r"fields? '([^'.]+)")
 default_retry_after_s = 1.0
+# Codes of a 5xx no retry can change (protocol.md: "do not retry; ask the operator"): answered with `x-should-retry:
+# false`, which OpenAI's clients obey, as they would otherwise send the call again (twice, by default).
+_NOT_RETRIED = frozenset({"experimental_disabled"})
 # The gateway's NATS connection cannot carry a call now (closed, draining at shutdown, reconnecting): a 503.
 _BROKER_DOWN = (ConnectionClosedError, ConnectionDrainingError, ConnectionReconnectingError, OutboundBufferLimitError,
                 StaleConnectionError)
@@ -67,6 +70,8 @@ class GatewayError(Exception):
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
+        if self.code in _NOT_RETRIED:
+            headers["x-should-retry"] = "false"
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
 
 

@@ -1,23 +1,23 @@
-"""The OpenAI wire format the gateway speaks: request bodies of /v1/chat/completions and /v1/completions, the
-objects and stream chunks it answers with, and the mapping of a request onto hearth's `llm.chat.request`.
+"""The OpenAI request bodies the gateway takes, of /v1/chat/completions and /v1/completions, and their mapping onto
+hearth's `llm.chat.request` (the objects and stream chunks it answers with are openai_answers.py).
 
-Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` over
-8, the legacy `functions`, `audio`, a content part that is no text) is refused with a message naming it, rather
-than silently ignored; fields that change nothing (`user`, `metadata`, `store`) are accepted. `n` (1-8) asks for
-that many choices, each its own pipeline. `response_format`, `tools` and `tool_choice` go onto the request as they
-are (hearth/protocol/chat_tools.py bounds them); assistant messages with `tool_calls` and `tool` messages are part
-of the history. `logprobs`/`top_logprobs`, the penalties (`repetition_penalty` too, an extension, as is `top_k`)
-and `logit_bias` go onto the request as they are (its validation bounds them, a refusal naming the field).
-Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128).
-hearth's own options, which no other server shares, come in one object `hearth` (`{"hearth": {"verify": "all"}}`),
-so they cannot collide with a field OpenAI adds, and a misspelt one is refused rather than ignored.
+Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` over 8,
+the legacy `functions`, `audio`, `moderation`, a content part that is no text) is refused with a message naming it,
+rather than silently ignored; OpenAI's fields that change nothing (`user`, `metadata`, `store`) are accepted, and a
+field OpenAI's API does not know (misspelt, another server's extension) is refused as OpenAI refuses it. `n` (1-8)
+asks for that many choices, each its own pipeline. `response_format`, `tools` and `tool_choice` go onto the request
+as they are (hearth/protocol/chat_tools.py bounds them); assistant messages with `tool_calls` and `tool` messages
+are part of the history. `logprobs`/`top_logprobs`, the penalties (`repetition_penalty` too, an extension, as is
+`top_k`) and `logit_bias` go onto the request as they are (its validation bounds them, a refusal naming the field).
+Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128). hearth's own
+options, which no other server shares, come in one object `hearth` (`{"hearth": {"verify": "all"}}`), so they cannot
+collide with a field OpenAI adds, and a misspelt one is refused rather than ignored.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,15 +34,19 @@ from hearth.protocol.chat import (
     max_tokens_limit,
     max_top_logprobs,
 )
-from hearth.protocol.chat_frames import VerificationOutcome
 from hearth.protocol.quantization_labels import QuantizationLabel
-from hearth.protocol.refusals import RefusalReason, array_too_long
-from hearth.services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
-from hearth.services.gateway.tool_calls import ToolCallBody
+from hearth.protocol.refusals import RefusalReason, array_too_long, max_param_chars
 
 openai_temperature_max = 2.0
 openai_max_stop_strings = 4
 openai_seed_bound = 2**63
+# OpenAI's fields of each endpoint that ask nothing hearth could honour or refuse (who calls, what to store, hints
+# for OpenAI's own models and caches): accepted, and change nothing. Any other field the body model does not declare
+# is one OpenAI's API does not know either, and is refused by name, as OpenAI refuses it.
+CHAT_FIELDS_THAT_CHANGE_NOTHING = frozenset({
+    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "verbosity",
+    "prediction", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "safety_identifier"})
+COMPLETION_FIELDS_THAT_CHANGE_NOTHING = frozenset({"user"})
 Item = TypeVar("Item")
 # A list whose first wrong item ends its validation: a body of many wrong items is refused for one, not described
 # item by item (a 1 MB body of them drew tens of MB of error, built on the event loop).
@@ -52,7 +56,7 @@ FailFastList = Annotated[list[Item], Field(fail_fast=True)]
 class Unsupported(BadRequest):
     """A request field hearth refuses (one it cannot honour, or a value it does not take); `param` names it."""
 
-    def __init__(self, param: str, message: str, reason: RefusalReason | None = None) -> None:
+    def __init__(self, param: str | None, message: str, reason: RefusalReason | None = None) -> None:
         super().__init__(message, param=param, reason=reason)
 
 
@@ -149,11 +153,22 @@ class _Sampling(BaseModel):
     # hearth's own options (HearthOptions), checked when mapped so that a refusal names the option.
     hearth: dict[str, Any] | None = None
 
+    # The fields of OpenAI's that this endpoint accepts and that change nothing.
+    fields_that_change_nothing: ClassVar[frozenset[str]] = frozenset()
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _refuse_what_hearth_cannot_do(self) -> None:
+        unknown = [name for name in self.model_extra or {} if name not in self.fields_that_change_nothing]
+        if unknown:
+            # OpenAI's words for it. The name is the client's own: a long one is cut in the message, and not `param`.
+            name = unknown[0]
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise Unsupported(name if len(name) <= max_param_chars else None,
+                              f"Unrecognized request argument supplied: {name[:max_param_chars]}"
+                              f"{'...' if len(name) > max_param_chars else ''}{more}")
         if self.n is not None and self.n > max_choices:
             raise Unsupported("n", f"'n' must be at most {max_choices}: hearth answers at most {max_choices} choices "
                                    f"per request (got {self.n})")
@@ -200,6 +215,8 @@ class _HearthField(BaseModel):
 class ChatCompletionRequest(_Sampling):
     """The body of POST /v1/chat/completions."""
 
+    fields_that_change_nothing = CHAT_FIELDS_THAT_CHANGE_NOTHING
+
     messages: list[OpenAIMessage] = Field(min_length=1, max_length=max_messages)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=max_tokens_limit)
     tools: FailFastList[dict[str, Any]] | None = None
@@ -213,6 +230,7 @@ class ChatCompletionRequest(_Sampling):
     modalities: FailFastList[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
 
     def to_chat_request(self) -> ChatRequest:
         self._refuse_what_hearth_cannot_do()
@@ -226,6 +244,9 @@ class ChatCompletionRequest(_Sampling):
         if self.web_search_options is not None:
             raise Unsupported("web_search_options", "'web_search_options' is not supported by hearth: it does not "
                                                     "search the web")
+        if self.moderation is not None:
+            raise Unsupported("moderation", "'moderation' is not supported by hearth: it runs no moderation of the "
+                                            "input or the answer")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         structured: dict[str, Any] = {}
         for name in ("response_format", "tools", "tool_choice"):
@@ -247,6 +268,8 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """The body of POST /v1/completions (the legacy text completion)."""
 
+    fields_that_change_nothing = COMPLETION_FIELDS_THAT_CHANGE_NOTHING
+
     prompt: str | FailFastList[str]
     echo: bool | None = None
     suffix: str | None = None
@@ -263,125 +286,3 @@ class CompletionRequest(_Sampling):
         prompt = self.prompt[0] if isinstance(self.prompt, list) else self.prompt
         return self._chat_request(max_tokens=self.max_tokens, prompt=prompt, logprobs=self.logprobs is not None,
                                   top_logprobs=self.logprobs or 0)
-
-
-# --- responses -------------------------------------------------------------------------------------------------
-
-
-class UsageBody(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-def usage_body(prompt_tokens: int, completion_tokens: int) -> UsageBody:
-    return UsageBody(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    # None when the answer is a tool call (as OpenAI sends it).
-    content: str | None
-    tool_calls: list[ToolCallBody] | None = Field(default=None, exclude_if=lambda value: value is None)
-
-
-FinishReason = Literal["stop", "length", "tool_calls"]
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: FinishReason
-    logprobs: ChatLogprobs | None = None
-
-
-def _is_none(value: object) -> bool:
-    return value is None
-
-
-class _Verified(BaseModel):
-    """An answer, or a stream's chunk sent once the call ended, that says whether the call's hops were checked as
-    its `hearth.verify` asked: hearth's extension field, absent at `none` (OpenAI's clients keep a field they do not
-    know: openai-python's `model_extra`)."""
-
-    hearth_verification: VerificationOutcome | None = Field(default=None, exclude_if=_is_none)
-
-
-class ChatCompletion(_Verified):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageBody
-
-
-class ChunkDelta(BaseModel):
-    """What one chunk adds: the role in the first, text in the others, nothing in the last (as OpenAI sends)."""
-
-    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
-    content: str | None = Field(default=None, exclude_if=_is_none)
-    tool_calls: list[ToolCallBody] | None = Field(default=None, exclude_if=_is_none)
-
-
-class ChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChunkDelta
-    finish_reason: FinishReason | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionChunk(_Verified):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: UsageBody | None = Field(default=None, exclude_if=_is_none)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: Literal["stop", "length"] | None = None
-    logprobs: CompletionLogprobs | None = None
-
-
-class Completion(_Verified):
-    """A text completion, and (object `text_completion` too, as OpenAI sends it) one chunk of a streamed one."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageBody | None = Field(default=None, exclude_if=_is_none)
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = 0
-    owned_by: str = "hearth"
-    # hearth's extension: the weight schemes live shards serve the model whole in now, most precise first (what
-    # `hearth.quantization` may name; `quantizations` of llm.models), empty for one only an orchestrator runs locally.
-    hearth_quantizations: list[str] = Field(default_factory=list)
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    """What every error answer is: `{"error": {...}}`, as OpenAI's API and its clients expect."""
-
-    error: ErrorDetail
