@@ -337,8 +337,21 @@ def above_zero(value: float | None) -> float | None:
     return value
 
 
+def checked_ready_file(value: Path | None) -> Path | None:
+    """Every command's --ready-file check: a link planted where it goes is a usage error before anything starts
+    (lifecycle.refused_ready_file), not a refusal once the process has loaded its model and serves."""
+    from hearth.services.common.lifecycle import refused_ready_file
+
+    if value is not None and (why := refused_ready_file(value)):
+        raise typer.BadParameter(why)
+    return value
+
+
+# What every --ready-file's help says of where it writes.
+READY_FILE_HELP = ("written whole at once (a synced file beside it renamed over it), mode 0600; a symbolic link at "
+                   "that path is refused at start")
 ReadyFileOption = Annotated[
     Optional[Path],
-    typer.Option("--ready-file", help="Write this file, whole at once, once the process serves (for scripts, tests).",
-                 show_default=False),
+    typer.Option("--ready-file", callback=checked_ready_file, show_default=False,
+                 help=f"Write this file once the process serves (for scripts, tests): {READY_FILE_HELP}."),
 ]
