@@ -18,9 +18,11 @@ from hearth.services.broker.server import EmbeddedNatsServer
 # from a launcher that imported torch and transformers once: a mesh starts in seconds instead of paying 5-7 s
 # of imports per process (tests/integration/test_prefork.py checks the children are real, separate processes).
 os.environ.setdefault(PREFORK_ENV, "1")
-# What hearth processes keep across restarts (an orchestrator's event outbox: hearth_files.state_dir) goes to a folder
-# of this test run, never the user's: an event one test's process left would reach another test's broker. Set at
-# import, before any test module copies the environment for its processes; removed when the run ends.
+# What hearth processes keep across restarts (an orchestrator's event outbox, a host's last range:
+# hearth_files.state_dir) goes to a folder of this test run, never the user's: an event one test's process left would
+# reach another test's broker. Set at import, before any test module copies the environment for its processes (and
+# what a module's or the session's fixtures start uses it); removed when the run ends. Each test has its own besides
+# (own_state_folder).
 _TEST_STATE_FOLDER = tempfile.TemporaryDirectory(prefix="hearth-test-state-")
 os.environ["XDG_STATE_HOME"] = _TEST_STATE_FOLDER.name
 
@@ -36,6 +38,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         marker = FOLDER_MARKERS.get(parts[0]) if len(parts) > 1 else None
         if marker is not None and item.get_closest_marker(marker.name) is None:
             item.add_marker(marker)
+
+
+@pytest.fixture(autouse=True)
+def own_state_folder(tmp_path_factory, monkeypatch) -> Path:
+    """Every test's own $XDG_STATE_HOME (the only variable that picks hearth's state folder while it is absolute:
+    hearth_files.state_dir), empty at its start: what one test's process kept (a host's last range, an event outbox)
+    never reaches another test. Beside tmp_path, not in it, so that a test sees only its own files there."""
+    folder = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("XDG_STATE_HOME", str(folder))
+    return folder
 
 
 def _testcontainers_nats_url() -> Iterator[str]:

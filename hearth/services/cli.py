@@ -25,24 +25,17 @@ from hearth.services.gateway.command import gateway_command
 from hearth.services.host.cli import host_command
 from hearth.services.cli_options import (
     EXIT_BAD_INPUT,
-    HostNodeIdOption,
-    ModelIdOption,
     SHARD_STOPPING_HELP,
     STOPPING_HELP,
     ConfigOption,
     CredsOption,
-    DeviceOption,
-    DtypeOption,
     InsecureOption,
-    QuantizeOption,
     finite_between,
     LogLevelOption,
     MetricsHostOption,
     MetricsPortOption,
-    BusyThreadsOption,
     NatsUrlOption,
     ReadyFileOption,
-    TorchThreadsOption,
     WaitForNatsOption,
     above_zero,
     apply_top_level_options,
@@ -53,6 +46,15 @@ from hearth.services.cli_options import (
     use_credentials,
     use_metrics_host,
     wait_for_nats,
+)
+from hearth.services.model_options import (
+    HostNodeIdOption,
+    ModelIdOption,
+    DeviceOption,
+    DtypeOption,
+    QuantizeOption,
+    BusyThreadsOption,
+    TorchThreadsOption,
 )
 from hearth.protocol.chat import ChatRequest, default_max_tokens, max_choices, max_temperature, seed_limit
 from hearth.services.common.logging import default_log_level

@@ -318,18 +318,6 @@ def node_id_for(command: str, identity, node_id: str | None, role: str) -> str |
     return identity.name
 
 
-DeviceOption = Annotated[
-    Optional[str],
-    typer.Option("--device", help="auto|cpu|cuda|cuda:N (auto: CUDA when torch sees one; default: "
-                 "[research.distributed_inference.host] device).", show_default=False),
-]
-DtypeOption = Annotated[
-    Optional[str],
-    typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto: bf16 on CUDA, fp16 where bf16 is unsupported, fp32 on "
-                 "the CPU; default: [research.distributed_inference.host] dtype).", show_default=False),
-]
-
-
 def finite_between(minimum: float, maximum: float) -> Any:
     """The type of a float option taking a finite number from `minimum` to `maximum`: NaN and infinity are refused
     as "Input should be a finite number" (with typer's min/max, NaN, which compares false, was refused as past a
@@ -349,49 +337,21 @@ def above_zero(value: float | None) -> float | None:
     return value
 
 
-def checked_quantize(value: str | list[str] | None) -> str | list[str] | None:
-    """Every command's --quantize check (a list: each scheme): a label exactly as written on the wire, as the
-    configuration and requests take it, of a scheme this version runs (its int4 group size served), else a usage
-    error before anything starts."""
-    from hearth.protocol.quantization_labels import check_runnable_label
+def checked_ready_file(value: Path | None) -> Path | None:
+    """Every command's --ready-file check: a link planted where it goes is a usage error before anything starts
+    (lifecycle.refused_ready_file), not a refusal once the process has loaded its model and serves."""
+    from hearth.services.common.lifecycle import refused_ready_file
 
-    for label in value if isinstance(value, list) else [value]:
-        if label is not None:
-            try:
-                check_runnable_label(label)
-            except ValueError as error:
-                raise typer.BadParameter(str(error)) from None
+    if value is not None and (why := refused_ready_file(value)):
+        raise typer.BadParameter(why)
     return value
 
 
-QuantizeOption = Annotated[
-    Optional[str],
-    typer.Option("--quantize", callback=checked_quantize, show_default=False,
-                 help="none|int8|int4|int4/gN: weights held as full precision, int8 per output channel or int4 in "
-                      "groups of N inputs (32, 64, 128 or 256; int4 alone: 32); the CPU, and CUDA (int4 from "
-                      "compute capability 8.0) (default: [research.distributed_inference.host] quantize)."),
-]
-
-TorchThreadsOption = Annotated[
-    Optional[int],
-    typer.Option("--torch-threads", min=1, help="torch intra-op threads (default: torch's choice).",
-                 show_default=False),
-]
+# What every --ready-file's help says of where it writes.
+READY_FILE_HELP = ("written whole at once (a synced file beside it renamed over it), mode 0600; a symbolic link at "
+                   "that path is refused at start")
 ReadyFileOption = Annotated[
     Optional[Path],
-    typer.Option("--ready-file", help="Write this file, whole at once, once the process serves (for scripts, tests).",
-                 show_default=False),
-]
-BusyThreadsOption = Annotated[
-    Optional[int],
-    typer.Option("--busy-threads", min=1, show_default=False,
-                 help="Intra-op threads per step while this process serves more than one stream (default: all "
-                      "of them). Set 1 when several hearth processes share this machine's cores."),
-]
-# A shard host's identity options (`hearth shard`, `hearth host`).
-HostNodeIdOption = Annotated[
-    Optional[str], typer.Option("--node-id", help="This host's id (default: the machine's host name).")
-]
-ModelIdOption = Annotated[
-    Optional[str], typer.Option("--model-id", help="Id to advertise (default: folder name or hub id).")
+    typer.Option("--ready-file", callback=checked_ready_file, show_default=False,
+                 help=f"Write this file once the process serves (for scripts, tests): {READY_FILE_HELP}."),
 ]

@@ -56,6 +56,7 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
                                  "services.weights_objects"),
     "services.schema": _BROKER_SIDE,
     "services.cli_options": _BROKER_SIDE,
+    "services.model_options": _FOUNDATIONS,
     "services.cli_errors": (),
     "services.shard": (*_MODEL_SIDE, "services.cli_options"),
     "services.orchestrator": (*_MODEL_SIDE, "readmodels"),
@@ -63,7 +64,8 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
     "services.replay": (*_BROKER_SIDE, "readmodels", "services.cli_options", "services.cli_errors"),
     "services.dashboards": (*_BROKER_SIDE, "readmodels", "services.cli_options"),
     "services.gateway": (*_BROKER_SIDE, "services.client", "services.cli_options"),
-    "services.host": (*_MODEL_SIDE, "readmodels", "services.cli_options", "services.shard", "services.orchestrator"),
+    "services.host": (*_MODEL_SIDE, "readmodels", "services.cli_options", "services.model_options",
+                      "services.shard", "services.orchestrator"),
     "services.community_cli": (*_BROKER_SIDE, "services.cli_options", "services.gateway",
                                "services.community_cli_options", "services.community_broker_cli",
                                "services.community_reputation",
@@ -78,7 +80,8 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
     "services.db_cli": (*_BROKER_SIDE, "readmodels", "services.cli_options"),
     "services.weights_cli": (*_BROKER_SIDE, "services.cli_options", "services.weights_store",
                              "services.weights_publish"),
-    "services.devtools": (*_MODEL_SIDE, "readmodels", "services.cli_options", "services.client", "services.gateway",
+    "services.devtools": (*_MODEL_SIDE, "readmodels", "services.cli_options", "services.model_options",
+                          "services.client", "services.gateway",
                           "services.shard", "services.orchestrator", "services.projector", "services.host"),
     "services.cli": ("*",),  # the entry point: every command's module, each loaded when its command runs
 }

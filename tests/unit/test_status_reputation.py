@@ -83,3 +83,17 @@ def test_replicas_count_only_shards_routing_may_use(tmp_path):
     [row] = models
     assert row[columns.index("min_replicas")] == 3  # node-a's is not one routing would use
     assert row[columns.index("shards_advertised")] == 4
+
+
+def test_status_piped_writes_every_name_whole(tmp_path, capsys):
+    """Printed to a pipe (capsys: not a terminal), rich's 80 columns cut a long node name to `the…`; the tables are
+    as wide as what they hold there, and a grep for the name finds its row."""
+    node = "the-attic-workstation-under-the-stairs-" + "x" * 40
+    path = tmp_path / "readmodel.sqlite"
+    engine = migrated_engine(path)
+    shard = advertised(0, 7, node, total=8)
+    apply_all(engine, [LogBuilder().stored(event) for event in (shard, heartbeat(shard.shard_id, node=node))])
+    engine.dispose()
+    assert run_status_command(path, now_s=int(shard.occurred_at.timestamp()) + 5) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if node in line]
+    assert len(rows) == 1 and "live" in rows[0] and "tiny/llama-test" in rows[0], rows

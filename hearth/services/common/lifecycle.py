@@ -11,15 +11,16 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from hearth.services.common.process_gc import freeze_startup_objects
 from hearth.services.common.scratch_folders import remove_live_scratch_folders
+from hearth.trust.keys import write_private_file
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -66,17 +67,24 @@ class CommandInputRefused(CommandRefused):
 
 
 def write_ready_file(path: str | os.PathLike, text: str) -> None:
-    """Write a process's `--ready-file` whole at once (a file beside it renamed over it): a script or test waiting for
-    it to exist read it empty when it came as the process wrote it, and a `hearth host` rewrites it at every move."""
-    folder, name = os.path.split(os.path.abspath(path))
-    descriptor, staging = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    """Write a process's `--ready-file` as the project writes a state file (trust.keys.write_private_file): whole at
+    once, through a synced file beside it renamed over it (a script or test waiting for it to exist read it empty when
+    it came as the process wrote it; a `hearth host` rewrites it at every move), mode 0600. A link found at `path` is
+    refused, not replaced (someone planted it: refused_ready_file says so at start, before any work); this, or any
+    other failure to write it, is a CommandRefused in one line."""
     try:
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(text)
-        os.replace(staging, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(staging)
+        write_private_file(Path(path), text.encode())
+    except OSError as error:
+        raise CommandRefused(f"cannot write the ready file {os.fspath(path)}: {error.strerror or error}") from None
+
+
+def refused_ready_file(path: str | os.PathLike) -> str | None:
+    """Why a `--ready-file` cannot be written, as found before the process starts anything: a link is at `path`
+    (planted, it would have the file written elsewhere; write_ready_file refuses it), else None."""
+    if Path(path).is_symlink():
+        return (f"{os.fspath(path)} is a symbolic link; a ready file is written where it is named, never through or "
+                "over a link: remove the link or name another path")
+    return None
 
 
 class StopRequested(BaseException):

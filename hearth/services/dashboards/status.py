@@ -29,6 +29,9 @@ from hearth.services.dashboards.routing_sql import (LAYER_REPLICAS_CTE, MODELS_S
                                                     SHARDS_ADVERTISED_SQL)
 
 RECENT_CALLS_S = 3600
+# Printed to a pipe or a file (a CI log, grep), the tables are as wide as what they hold, up to this: rich's own width
+# there is 80 columns, and it cut member names and model ids to fit ("the…"). A terminal keeps its own width.
+NOT_A_TERMINAL_WIDTH = 10_000
 
 LAYER_REPLICAS_SQL = f"""{LAYER_REPLICAS_CTE}
 SELECT model_id, quantization, substr(weights_sha256, 1, 12), layer, replicas FROM layer_replicas
@@ -129,10 +132,16 @@ def _refuse(why: str) -> None:
     print(f"hearth status: {why}", file=sys.stderr)
 
 
+def _stdout_console() -> Console:
+    """The console of standard output: a terminal's width where it is one, else NOT_A_TERMINAL_WIDTH."""
+    console = Console()
+    return console if console.is_terminal else Console(width=NOT_A_TERMINAL_WIDTH)
+
+
 def run_status_command(db: Path, *, now_s: int | None = None, console: Console | None = None,
                        routing: Mapping[str, float] = ROUTING_VARIABLES) -> int:
     """Print the screen; 1 with a one-line reason when `db` is not a read model."""
-    console = console or Console()
+    console = console or _stdout_console()
     if not db.is_file():
         _refuse(f"no read model at {db} (run `hearth projector --db {db}`)")
         return 1

@@ -10,8 +10,8 @@ from typing import Annotated, Optional
 import click
 import typer
 
-from hearth.services.cli_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption, cli_state, \
-    configuration_env
+from hearth.services.cli_options import cli_state, configuration_env
+from hearth.services.model_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption
 from hearth.services.devtools.bench.cli import bench_command
 from hearth.services.devtools.bench.eval_cli import eval_command
 from hearth.services.devtools.demo import default_max_tokens as default_demo_max_tokens

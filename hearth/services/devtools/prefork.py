@@ -55,6 +55,9 @@ PRELOADED_MODULES = (
 # commands share a launcher only when these agree.
 IMPORT_ENVIRONMENT_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_", "HF_",
                                "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_", "XDG_", "HOME")
+# Of those, read only once a command runs, after the fork (hearth_files.state_dir): the test suite gives each test its
+# own state folder, and a launcher per test would pay the imports again each time.
+RUN_TIME_ENVIRONMENT = frozenset({"XDG_STATE_HOME"})
 # How long the launcher may take to import PRELOADED_MODULES and answer its first request.
 launcher_start_timeout_s = 120.0
 # The launcher wakes this often even without a request or a SIGCHLD, to notice a lost wake-up.
@@ -105,7 +108,8 @@ class LauncherMessage(BaseModel):
 
 def import_environment(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """The part of `env` modules read as they are imported: a launcher serves only commands whose own is equal."""
-    return tuple(sorted((key, value) for key, value in env.items() if key.startswith(IMPORT_ENVIRONMENT_PREFIXES)))
+    return tuple(sorted((key, value) for key, value in env.items()
+                        if key.startswith(IMPORT_ENVIRONMENT_PREFIXES) and key not in RUN_TIME_ENVIRONMENT))
 
 
 # ------------------------------------------------------------------ the client side

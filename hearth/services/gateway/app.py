@@ -38,7 +38,7 @@ from hearth.services.gateway.answer_delivery import AnswerDelivery, SseResponse
 from hearth.services.gateway.errors import (
     GatewayError, from_frame, not_served_whole, refusal_of, too_large, unforeseen, unknown_model,
 )
-from hearth.services.gateway.http_metrics import MODEL_ROUTE_PREFIX, MetricsMiddleware
+from hearth.services.gateway.http_metrics import CLIENT_CLOSED_STATUS, MODEL_ROUTE_PREFIX, MetricsMiddleware
 from hearth.services.gateway.mesh import ClientGone, Gateway, MeshCall, unless_disconnected
 from hearth.services.gateway.openai_answers import ModelCard, ModelList
 from hearth.services.gateway.openai_models import ChatCompletionRequest, CompletionRequest
@@ -58,8 +58,6 @@ CORS_HEADERS = (
 )
 # Where OpenAI's API says a request's id, and its clients read it.
 REQUEST_ID_HEADER = "x-request-id"
-# nginx's "client closed request": recorded in /metrics for calls whose client left before the answer.
-CLIENT_CLOSED_STATUS = 499
 
 
 class Health(BaseModel):

@@ -14,12 +14,14 @@ import typer
 
 from hearth.services.common.config_sections import max_tcp_port
 from hearth.services.cli_options import (
+    READY_FILE_HELP,
     CredsOption,
     InsecureOption,
     MetricsHostOption,
     MetricsPortOption,
     NatsUrlOption,
     WaitForNatsOption,
+    checked_ready_file,
     long_running,
     resolve_nats_url,
     settings,
@@ -125,7 +127,8 @@ def gateway_command(
     creds: CredsOption = None,
     insecure: InsecureOption = False,
     ready_file: Annotated[Optional[Path], typer.Option(
-        "--ready-file", help="Write the gateway's base URL to this file once it serves.", show_default=False)] = None,
+        "--ready-file", callback=checked_ready_file, show_default=False,
+        help=f"Write the gateway's base URL to this file once it serves: {READY_FILE_HELP}.")] = None,
     wait_for_nats_flag: WaitForNatsOption = False,
     metrics_port: MetricsPortOption = 0,
     metrics_host: MetricsHostOption = None,

@@ -7,18 +7,11 @@ from typing import Annotated, Optional
 import typer
 
 from hearth.services.cli_options import (
-    HostNodeIdOption,
-    ModelIdOption,
-    BusyThreadsOption,
     MetricsHostOption,
     MetricsPortOption,
     ReadyFileOption,
-    TorchThreadsOption,
     CredsOption,
-    DeviceOption,
-    DtypeOption,
     InsecureOption,
-    QuantizeOption,
     finite_between,
     NatsUrlOption,
     WaitForNatsOption,
@@ -29,6 +22,15 @@ from hearth.services.cli_options import (
     use_credentials,
     use_metrics_host,
     wait_for_nats,
+)
+from hearth.services.model_options import (
+    HostNodeIdOption,
+    ModelIdOption,
+    BusyThreadsOption,
+    TorchThreadsOption,
+    DeviceOption,
+    DtypeOption,
+    QuantizeOption,
 )
 
 # A bound on `--memory-budget-mb` (about an exabyte): any machine's memory is within it, and "inf" is refused here

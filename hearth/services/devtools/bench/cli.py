@@ -8,8 +8,8 @@ from typing import Annotated, Optional, get_args
 
 import typer
 
-from hearth.services.cli_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption, \
-    configuration_env
+from hearth.services.cli_options import configuration_env
+from hearth.services.model_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption
 from hearth.protocol.chat import VerifyLevel
 from hearth.services.devtools.bench.defaults import (
     default_new_tokens,

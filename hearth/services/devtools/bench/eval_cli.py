@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from hearth.services.cli_options import checked_quantize
+from hearth.services.model_options import checked_quantize
 from hearth.services.devtools.bench.eval_options import (
     EVAL_DEFAULT_CONTEXT_TOKENS,
     EVAL_DEFAULT_MAX_TOKENS,
