@@ -218,7 +218,9 @@ def test_a_gateway_at_its_limit_answers_429_with_retry_after(mesh):
     try:
         next(iter(stream))  # the one open call
         status, headers, body = http(small_mesh, "/v1/chat/completions", chat_body(), mesh.keys["alice"])
-        assert (status, body["error"]["code"], headers["retry-after"]) == (429, "overloaded", "1")
+        assert (status, body["error"]["code"]) == (429, "overloaded")
+        # When the open call is likely to end, spread; in milliseconds too, which OpenAI's clients read first.
+        assert int(headers["retry-after-ms"]) >= 500 and int(headers["retry-after"]) >= 1
     finally:
         stream.close()
 

@@ -25,6 +25,7 @@ from hearth.services.gateway.keys import (
 from hearth.services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, Unsupported
 from hearth.trust.community import Community
 from hearth.trust.keys import MemberKey
+from tests.unit.test_gateway_retry_hints import waits_as_named
 
 
 def chat(**fields) -> ChatCompletionRequest:
@@ -145,8 +146,8 @@ def test_an_unknown_model_is_404_and_overloaded_names_its_wait():
         retry_after_s: float
 
     response = from_frame(QueuedOut(seq=0, code="overloaded", message="full", retry_after_s=2.5)).response()
-    assert (response.status_code, response.headers["retry-after"]) == (429, "3")
-    assert from_frame(ErrorFrame(seq=0, code="overloaded", message="full"), 7).response().headers["retry-after"] == "7"
+    assert response.status_code == 429 and waits_as_named(response.headers, 2.5)
+    assert waits_as_named(from_frame(ErrorFrame(seq=0, code="overloaded", message="full"), 7).response().headers, 7)
     assert json.loads(response.body)["error"] == {"message": "full", "type": "rate_limit_error", "param": None,
                                                   "code": "overloaded"}
 
@@ -161,10 +162,11 @@ def test_a_frame_naming_a_wait_past_an_hour_asks_an_hour(named):
     assert frame.retry_after_s == max_retry_after_s
     response = from_frame(frame).response()
     assert (response.status_code, response.headers["retry-after"]) == (429, str(int(max_retry_after_s)))
-    # A negative wait reads as none (docs/protocol.md, "Reading a frame"): Retry-After's shortest, a second.
+    assert response.headers["retry-after-ms"] == str(int(max_retry_after_s * 1000))
+    # A negative wait reads as none (docs/protocol.md, "Reading a frame"): [gateway] retry_after_s.
     negative = decode_frame(b'{"type": "error", "seq": 0, "code": "overloaded", "message": "full", '
                             b'"retry_after_s": -1}')
-    assert (negative.retry_after_s, from_frame(negative).response().headers["retry-after"]) == (0.0, "1")
+    assert negative.retry_after_s == 0.0 and waits_as_named(from_frame(negative).response().headers, 1)
 
 def test_answers_have_openai_s_shape():
     done = DoneFrame(seq=4, finish_reason="fallback_length", usage=Usage(prompt_tokens=5, completion_tokens=2))

@@ -19,6 +19,7 @@ from hearth.services.gateway.app import create_app
 from hearth.services.gateway.http_server import server_config, stop_serving
 from tests.unit.test_gateway_hardening import CLOSE_WAIT_S
 from tests.unit.test_withdrawn_tokens import MODEL, ScriptedCall, ScriptedGateway, done, token
+from tests.unit.test_gateway_retry_hints import waits_as_named
 
 GRACE_S = 1.0
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -93,7 +94,7 @@ async def test_calls_open_past_the_grace_are_answered_503_gateway_stopping_and_a
     for refused in (waiting, waiting_streamed):
         assert isinstance(refused, openai.InternalServerError), refused
         assert (refused.status_code, refused.code) == (503, "gateway_stopping")
-        assert refused.response.headers["retry-after"] == "1"
+        assert waits_as_named(refused.response.headers, 1)
     assert gateway.open_calls == 0 and gateway.closed == len(calls)
 
 
@@ -106,4 +107,4 @@ async def test_a_call_after_the_stop_is_answered_503_at_once(path):
         response = await (http.post(path, json={"model": MODEL, "messages": MESSAGES}) if "chat" in path
                           else http.get(path))
     assert (response.status_code, response.json()["error"]["code"]) == (503, "gateway_stopping")
-    assert response.headers["retry-after"] == "1" and not gateway.received
+    assert waits_as_named(response.headers, 1) and not gateway.received

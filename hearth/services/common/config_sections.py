@@ -42,7 +42,8 @@ class GatewaySettings(ConfigSection):
         default=1024, ge=1, description="calls in flight at once; one more is refused with 429 `overloaded`")
     retry_after_s: float = Field(
         default=1.0, gt=0, le=max_retry_after_s,
-        description="the Retry-After of a 429 or 503 whose refusal names no wait of its own")
+        description="the Retry-After of a 429 or 503 whose refusal names no wait of its own (spread per answer), "
+                    "and of the gateway's own limits while no call has ended yet")
     api_keys_recheck_s: float = Field(
         default=1.0, gt=0, description="how often at most the gateway looks whether api_keys.json or the roster "
                                        "changed (a key made or revoked takes effect within this, no restart)")

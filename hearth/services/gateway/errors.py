@@ -23,6 +23,7 @@ from hearth.protocol.refusals import (
     ARRAY_TOO_LONG, CONTEXT_EXCEEDED, OVER_MAX_REQUEST_BYTES, STRING_TOO_LONG, RefusalReason,
 )
 from hearth.services.gateway.openai_answers import ErrorBody, ErrorDetail
+from hearth.services.gateway.retry_hints import spread
 
 # Error codes of the mesh (ErrorCode in protocol.chat_frames) -> (HTTP status, OpenAI error type); the rest are 500.
 _FRAME_STATUS: dict[str, tuple[int, str]] = {
@@ -49,7 +50,8 @@ _BROKER_DOWN = (ConnectionClosedError, ConnectionDrainingError, ConnectionReconn
 
 @dataclass
 class GatewayError(Exception):
-    """A call that ends in an HTTP error; `retry_after_s` sets Retry-After (429, 503: the call may be sent again)."""
+    """A call that ends in an HTTP error; `retry_after_s` sets Retry-After and retry-after-ms (429, 503: the call may
+    be sent again), each answer's spread at random above it (retry_hints.spread)."""
 
     status: int
     code: str
@@ -67,7 +69,11 @@ class GatewayError(Exception):
     def response(self) -> JSONResponse:
         headers = {}
         if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+            # Spread per answer; in milliseconds too, which OpenAI's clients read before Retry-After (whole seconds
+            # by HTTP's rule, rounded up).
+            wait_s = spread(self.retry_after_s)
+            headers["retry-after-ms"] = str(math.ceil(wait_s * 1000))
+            headers["Retry-After"] = str(math.ceil(wait_s))
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         if self.code in _NOT_RETRIED:

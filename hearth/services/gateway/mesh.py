@@ -44,6 +44,7 @@ from hearth.services.gateway.errors import (
 )
 from hearth.services.gateway.conversations import ConversationPins
 from hearth.services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
+from hearth.services.gateway.retry_hints import CallDurations
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,6 +102,9 @@ class Gateway:
         self.keyring = keyring
         self.open_calls = 0
         self.open_calls_by_member: Counter[str] = Counter()
+        # When each open call took its place, and whose it is; how long recent calls held theirs.
+        self._open_since: dict[object, tuple[str | None, float]] = {}
+        self.call_durations = CallDurations(settings.gateway.retry_after_s)
         self._known_models: set[str] = set()
         self.stops = CallStops(settings.gateway.retry_after_s)
         # Which orchestrator answered each recent conversation: its next turn goes there first.
@@ -148,27 +152,39 @@ class Gateway:
     def open_call(self, caller: Caller | None):
         """Counts a call as open while inside; 429 when `[gateway] max_open_requests` are open already, or
         `max_open_requests_per_caller` of the member `caller` (all its API keys together; an open mesh has no
-        members, so only the first limit applies there)."""
+        members, so only the first limit applies there). The 429's Retry-After is when one of the calls holding
+        the places is likely to end (retry_hints.CallDurations), so that a refused call is not sent back while
+        they all still run."""
         settings = self.settings.gateway
+        member = caller.name if caller is not None else None
         if self.open_calls >= settings.max_open_requests:
             raise overloaded(f"this gateway has {settings.max_open_requests} calls open ([gateway] "
-                             "max_open_requests); try again", settings.retry_after_s)
-        member = caller.name if caller is not None else None
+                             "max_open_requests); try again", self._until_a_place_frees(None))
         if member is not None and self.open_calls_by_member[member] >= settings.max_open_requests_per_caller:
             raise overloaded(f"this API key's member has {settings.max_open_requests_per_caller} calls open "
                              "([gateway] max_open_requests_per_caller); try again when one ends",
-                             settings.retry_after_s)
+                             self._until_a_place_frees(member))
+        place, started = object(), time.monotonic()
         self.open_calls += 1
+        self._open_since[place] = (member, started)
         if member is not None:
             self.open_calls_by_member[member] += 1
         try:
             yield
         finally:
             self.open_calls -= 1
+            del self._open_since[place]
+            self.call_durations.record(time.monotonic() - started)
             if member is not None:
                 self.open_calls_by_member[member] -= 1
                 if not self.open_calls_by_member[member]:
                     del self.open_calls_by_member[member]
+
+    def _until_a_place_frees(self, member: str | None) -> float:
+        """How long until one of the open calls of `member` (None: of all members) is likely to end."""
+        now = time.monotonic()
+        return self.call_durations.until_one_ends(now - started for owner, started in self._open_since.values()
+                                                  if member is None or owner == member)
 
     def call(self, request: ChatRequest, caller: Caller | None) -> "MeshCall":
         """`request` as a call of `caller`, published when its frames are first read; 413 when the body it is
