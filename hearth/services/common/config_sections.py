@@ -49,6 +49,9 @@ class GatewaySettings(ConfigSection):
                                        "changed (a key made or revoked takes effect within this, no restart)")
     models_timeout_s: float = Field(
         default=5.0, gt=0, description="how long asking `llm.models` (GET /v1/models, a model check) may take")
+    models_cache_s: float = Field(
+        default=10.0, ge=0, description="how long a call without `model` takes the default model from the last "
+        "`llm.models` answer before asking again; an older answer still serves while asking fails or times out")
     shutdown_grace_s: float = Field(
         default=1.0, ge=0, description="at shutdown, how long calls in flight may take to finish; those still open "
         "then are answered 503 `gateway_stopping` (an error event mid-stream)")

@@ -155,7 +155,7 @@ class GatewayApp(AnswerDelivery):
                 # The size as published first: an oversized request naming an unknown model asks the mesh nothing.
                 call = self.gateway.call(chat_request, caller)
                 await self.gateway.check_model(chat_request.model)
-                model = chat_request.model or (await self.gateway.models()).default_model or "default"
+                model = chat_request.model or await self.gateway.default_model() or "default"
                 shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
                 if isinstance(shape, ChatShape):
                     shape.tools = body.may_call_tools

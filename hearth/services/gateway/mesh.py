@@ -1,6 +1,7 @@
-"""The gateway's side of the mesh: one NATS connection, who may call (API keys), which models exist, how many
-calls are open (in all and per member) and which are ended when the gateway stops (CallStops), and MeshCall, one
-`llm.chat.request` (its body within the orchestrator's max_request_bytes) whose frames the HTTP side reads.
+"""The gateway's side of the mesh: one NATS connection, who may call (API keys), which models exist, how many calls are
+open (in all and per member, and how long they take: what a 429's Retry-After follows) and which are ended when the
+gateway stops (CallStops), and MeshCall, one `llm.chat.request` (its body within the orchestrator's
+max_request_bytes) whose frames the HTTP side reads.
 
 A call is signed for the member its API key belongs to (services.client.chat signs with that key), so the
 orchestrator records that member as the caller. Frames the HTTP answer does not carry (pipeline, shard status,
@@ -44,6 +45,7 @@ from hearth.services.gateway.errors import (
 )
 from hearth.services.gateway.conversations import ConversationPins
 from hearth.services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
+from hearth.services.gateway.model_listing import ModelListing
 from hearth.services.gateway.retry_hints import CallDurations
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,7 @@ class Gateway:
         # When each open call took its place, and whose it is; how long recent calls held theirs.
         self._open_since: dict[object, tuple[str | None, float]] = {}
         self.call_durations = CallDurations(settings.gateway.retry_after_s)
+        self.listing = ModelListing(settings.gateway.models_cache_s)
         self._known_models: set[str] = set()
         self.stops = CallStops(settings.gateway.retry_after_s)
         # Which orchestrator answered each recent conversation: its next turn goes there first.
@@ -139,7 +142,13 @@ class Gateway:
                 raise from_frame(refused.frame, self.settings.gateway.retry_after_s) from None
             raise GatewayError(502, "internal_error", str(refused), type="server_error") from None
         self._known_models = {model.id for model in reply.models}
+        self.listing.remember(reply)
         return reply
+
+    async def default_model(self) -> str | None:
+        """The model a call that names none gets, from a recent `llm.models` answer (ModelListing): a busy
+        orchestrator that does not answer in time fails no such call once the gateway has had one answer."""
+        return (await self.listing.recent(self.models)).default_model
 
     async def check_model(self, model: str | None) -> None:
         """404 for a model no orchestrator knows of; asks `llm.models` only for a name not seen there before."""
