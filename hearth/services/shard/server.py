@@ -8,7 +8,8 @@ snapshot of its cache figures); one opener has at most max_concurrent_streams op
 Opens and closes still take effect in the order they arrived (one lock, acquired in arrival order), so a late close
 never overtakes the re-open after a failover; but neither waits for the compute thread under that lock: an `open`
 reserves its hop under it and attaches its kept prefix (or resets the hop it replaces) outside it, and a `close`
-closes outside it what it detached under it. Until it knows it keeps its shard id (hearth/services/shard/claim.py) it
+closes outside it what it detached under it (hearth/services/shard/hop_closing.py). Until it knows it keeps its
+shard id (hearth/services/shard/claim.py) it
 answers the claims it outranks at once and holds every other request until then; a process that gave way, then or
 later, answers nothing and withdraws nothing. Once withdrawn (a `hearth host` moving: `withdraw`, then `drain`) it opens
 no new pipeline and lets the calls open here end before it stops.
@@ -37,7 +38,6 @@ from hearth.protocol.control import (
     ControlReply,
     KeepHop,
     OpenHop,
-    PrefixBlocks,
     ShardStat,
     StatShard,
     control_request_adapter,
@@ -54,6 +54,7 @@ from hearth.services.broker.permissions import reply_allowed
 from hearth.services.shard.admission import admission_refusal
 from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless_taken
 from hearth.services.shard.compute import ShardCompute
+from hearth.services.shard.hop_closing import HopClosing
 from hearth.services.shard.hops import HopLimits, ServedHop, opened_by
 from hearth.services.shard.identity import ShardIdentity, advertisement, open_refusal
 from hearth.services.shard.kept_events import say_once, shard_outbox, start_outbox
@@ -67,7 +68,7 @@ log = logging.getLogger(__name__)
 drain_poll_s = 0.1
 
 
-class ShardServer:
+class ShardServer(HopClosing):
     """Serves `open`/`close`/`stat` on its control subject and runs each open hop through ShardCompute."""
 
     def __init__(self, nc: NatsClient, compute: ShardCompute, identity: ShardIdentity, settings: HearthSettings, *,
@@ -188,14 +189,6 @@ class ShardServer:
 
     async def _watchdog_loop(self) -> None:
         await watch_hops(self._hops, self.limits, self.compute.evict_idle, self._close_expired)
-
-    async def _close_expired(self, pipeline_id: str, hop: ServedHop, reason: str) -> None:
-        """Close a hop the watchdog found expired (hearth/services/shard/hops.py), unless it was re-opened meanwhile."""
-        async with self._hop_changes:
-            detached = self._detach_hop(pipeline_id) if self._hops.get(pipeline_id) is hop else None
-        if detached is not None:
-            log.info("pipeline %s: %s; closing its hop", pipeline_id, reason)
-            await self._finish_closing(pipeline_id, detached)
 
     async def stop(self, reason: str = "shutdown") -> None:
         if self._stopped:
@@ -377,21 +370,3 @@ class ShardServer:
                 return None
             await hop.start()
         return cached
-
-    async def _close_hop(self, pipeline_id: str) -> None:
-        hop = self._detach_hop(pipeline_id)
-        if hop is not None:
-            await self._finish_closing(pipeline_id, hop)
-
-    def _detach_hop(self, pipeline_id: str) -> ServedHop | None:
-        """Stop counting a hop as open (call under `_hop_changes`); `_finish_closing` then closes it."""
-        hop = self._hops.pop(pipeline_id, None)
-        self.compute.active_streams = len(self._hops)
-        return hop
-
-    async def _finish_closing(self, pipeline_id: str, hop: ServedHop, keep: PrefixBlocks | None = None) -> None:
-        # Its open ends first (it may still wait for the compute thread): its prefix is attached before the session's
-        # cache is freed, never after. Bounded as that open's own compute-thread wait is; set even if it failed.
-        await hop.open_settled.wait()
-        kept = await hop.close(keep)
-        log.info("closed pipeline %s (%d positions kept for later calls)", pipeline_id, kept)
