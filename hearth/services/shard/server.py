@@ -109,6 +109,10 @@ class ShardServer(HopClosing):
         self._stopped = False
         self._withdrawn = False  # it said it leaves (withdraw): no new pipeline opens here, no advertisement follows
         self._claim = ShardClaim(self.signing_key)
+        self._removal_tasks: set[asyncio.Task] = set()
+        if self.steward_keys is not None:  # a removal read from the log drops what its key's opens left here
+            self.steward_keys.retirement_listeners.append(lambda removal: owned_task(
+                self._removal_tasks, self._drop_retired_opener(removal), name="shard-drop-removed"))
         self._question = ClaimQuestion(nc, identity.control_subject, self._claim)
 
     @property
@@ -197,7 +201,7 @@ class ShardServer(HopClosing):
         if self._control_sub is not None:  # first: a request heard after its tasks were cancelled would run on
             with contextlib.suppress(Exception):
                 await self._control_sub.unsubscribe()
-        tasks = [*self._background, *self._control_tasks]
+        tasks = [*self._background, *self._control_tasks, *self._removal_tasks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -264,7 +268,7 @@ class ShardServer(HopClosing):
                 await self._reply(msg, ControlReply(ok=False, code="unknown_pipeline",
                                                     message="no such session open here"))
             else:
-                kept = await hop.keep_now(request.keep)
+                kept = 0 if self._retired(hop.opener_key) else await hop.keep_now(request.keep)
                 await self._reply(msg, ControlReply(ok=True, cached_tokens=kept))
         elif isinstance(request, CloseHop):
             # Detached under the lock, closed outside it: closing waits for the compute thread (the session's
@@ -284,7 +288,7 @@ class ShardServer(HopClosing):
         else:
             opened = checked_open(msg, request, self.open_verifier, self.signing_key)
             reply = opened if isinstance(opened, ControlReply) else await self._opens.answer(
-                opened[0], lambda: self._open_hop(opened[1], opened[0]))
+                opened[0], lambda: self._open_hop(opened[2], opened[0], opened[1]))
             await self._reply(msg, reply)
 
     async def _reply(self, msg: Msg, reply: ControlReply | ShardStat) -> None:
@@ -303,7 +307,8 @@ class ShardServer(HopClosing):
                          open_pipelines=sorted(self._hops), cached_sessions=cache.sessions,
                          cache_bytes=cache.cache_bytes, **(self._claim.answer_fields() if answering_claim else {}))
 
-    async def _open_hop(self, request: OpenHop, opener: str | None = None) -> ControlReply:
+    async def _open_hop(self, request: OpenHop, opener: str | None = None,
+                        opener_key: str | None = None) -> ControlReply:
         """Reserve the hop under `_hop_changes`, wait for the compute thread (the replaced hop's reset, the kept prefix)
         outside it, then start the hop under it again: an open waiting behind a long step holds up no other open or
         close. Whoever detaches a hop closes it, once its open has settled (`_finish_closing`)."""
@@ -311,7 +316,7 @@ class ShardServer(HopClosing):
         if refusal is not None:
             return refusal
         async with self._hop_changes:
-            reserved = self._reserve_hop(request, opener)
+            reserved = self._reserve_hop(request, opener, opener_key)
         if isinstance(reserved, ControlReply):
             return reserved
         hop, replaced = reserved
@@ -340,8 +345,12 @@ class ShardServer(HopClosing):
                  request.pipeline_id, request.layer_lo, request.layer_hi, cached)
         return ControlReply(ok=True, cached_tokens=cached, replay_steps=True)
 
-    def _reserve_hop(self, request: OpenHop, opener: str | None) -> ControlReply | tuple[ServedHop, ServedHop | None]:
+    def _reserve_hop(self, request: OpenHop, opener: str | None,
+                     opener_key: str | None = None) -> ControlReply | tuple[ServedHop, ServedHop | None]:
         """Under `_hop_changes`: the new hop, counted as open, and the hop of its pipeline it replaces, detached."""
+        if self._retired(opener_key):  # read since its signature was checked: its hops were dropped, this one too
+            return ControlReply(ok=False, code="unauthorized", message="the open's key was removed from this community "
+                                                                       "(its removal or rotation is in the event log)")
         replaced = self._hops.get(request.pipeline_id)
         if replaced is not None and not opened_by(replaced, request):
             return ControlReply(ok=False, code="pipeline_taken",
@@ -353,7 +362,8 @@ class ShardServer(HopClosing):
             return refused
         if replaced is not None:  # a re-open (failover reuses this hop with a new session): start over cleanly
             self._detach_hop(request.pipeline_id)
-        hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id, opener=opener)
+        hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id, opener=opener,
+                        opener_key=opener_key)
         self._hops[request.pipeline_id] = hop
         self.compute.active_streams = len(self._hops)
         return hop, replaced
