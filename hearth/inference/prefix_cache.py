@@ -55,6 +55,7 @@ class PrefixEntry:
     nbytes: int
     last_used_s: float
     block_tokens: int = field(default=0)
+    opener: str | None = None  # whose hops kept it (prefix_keys)
 
 
 class CacheLengths:
@@ -145,12 +146,12 @@ class PrefixCache:
             self.misses_total += 1
         return None
 
-    def put(self, keys: Sequence[str], kv: KeysValues, block_tokens: int) -> None:
-        """Keep `kv` (the first len(keys) blocks' positions) under `keys`; entries whose every block the new one
-        holds too are dropped (a conversation's next turn holds its earlier turns)."""
+    def put(self, keys: Sequence[str], kv: KeysValues, block_tokens: int, opener: str | None = None) -> None:
+        """Keep `kv` (the first len(keys) blocks' positions) under `keys`, for hops of `opener`; entries whose every
+        block the new one holds too are dropped (a conversation's next turn holds its earlier turns)."""
         nbytes = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in kv.values())
         entry = PrefixEntry(keys=tuple(keys), kv=kv, tokens=len(keys) * block_tokens, nbytes=nbytes,
-                            last_used_s=self._clock(), block_tokens=block_tokens)
+                            last_used_s=self._clock(), block_tokens=block_tokens, opener=opener)
         entry_id = next(self._numbers)
         superseded = {self._owner[key] for key in keys if key in self._owner}
         self._entries[entry_id] = entry
@@ -170,18 +171,24 @@ class PrefixCache:
         """Drop the least recently used entry; the bytes freed (0 when empty)."""
         return self._evict(next(iter(self._entries))) if self._entries else 0
 
+    def drop_opener(self, opener: str) -> int:
+        """Drop every entry hops of `opener` kept (its member was removed, or its key retired); the bytes freed."""
+        return sum(self._evict(entry_id, counted=False) for entry_id, entry in list(self._entries.items())
+                   if entry.opener == opener)
+
     def clear(self) -> int:
         freed = self.total_bytes
         self._entries.clear()
         self._owner.clear()
         return freed
 
-    def _evict(self, entry_id: int) -> int:
+    def _evict(self, entry_id: int, counted: bool = True) -> int:
+        """Drop an entry; `counted`: as an eviction (idle, or making room), the metric's."""
         entry = self._entries.pop(entry_id)
         for key in entry.keys:
             if self._owner.get(key) == entry_id:
                 del self._owner[key]
-        self.evictions_total += 1
+        self.evictions_total += counted
         return entry.nbytes
 
 
@@ -226,7 +233,7 @@ class PrefixSessions:
         if kv is None:
             return 0
         keys = prefix_keys(block_hashes[:blocks], run_lo, run_hi, block_tokens, opener)
-        self.prefixes.put(keys, kv, block_tokens)
+        self.prefixes.put(keys, kv, block_tokens, opener)
         self.caches.enforce_budget()
         return blocks * block_tokens
 

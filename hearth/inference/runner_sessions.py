@@ -40,6 +40,11 @@ class RunnerSessions:
             return self._prefix_sessions.keep(session_id, block_hashes, block_tokens, run_lo, run_hi, cached,
                                               end_session, opener)
 
+    def drop_kept_prefixes(self, opener: str) -> int:
+        """Drop every prefix sessions of `opener` kept; the bytes freed."""
+        with self._lock:
+            return 0 if self._caches.prefixes is None else self._caches.prefixes.drop_opener(opener)
+
     @property
     def prefix_cache(self) -> PrefixCache | None:
         """The kept prefixes (None where none are kept); read its counters under no lock, they only grow."""

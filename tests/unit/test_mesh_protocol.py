@@ -86,7 +86,7 @@ def test_an_open_from_an_orchestrator_from_before_protocol_versions_is_refused_n
 def test_an_open_of_this_version_passes_the_version_check():
     request = OpenHop.model_validate_json((RECORDED / "open.json").read_text()).model_copy(
         update={"protocol": MESH_PROTOCOL})
-    assert checked_open(control_message(request), request, None, None) == (None, request)
+    assert checked_open(control_message(request), request, None, None) == (None, None, request)
 
 
 def test_a_newer_peer_is_refused_asking_to_upgrade_this_one():

@@ -84,6 +84,8 @@ def test_the_follower_names_only_what_the_trusted_steward_key_passed_on_in_each_
     monkeypatch.setattr(logged_steward_keys, "read_stream", fake_read_stream(log))
     verifier = EventVerifier(old_roster(), max_clock_skew_s=SKEW_S)
     follower = StewardKeysFromTheLog(None, verifier, (SHARDS_STREAM, PIPELINES_STREAM))
+    told: list[str] = []  # what a shard host drops at once (hearth/services/shard/hop_closing.py)
+    follower.retirement_listeners.append(lambda removal: told.append(removal.public_key))
 
     async def run() -> list[tuple[str, str]]:
         await follower.start(catch_up_timeout_s=5.0)
@@ -92,5 +94,7 @@ def test_the_follower_names_only_what_the_trusted_steward_key_passed_on_in_each_
         finally:
             await follower.stop()
 
-    assert asyncio.run(run()) == sorted([(STEWARD_1.public_key, STEWARD_0.public_key)] * 2 + [
+    named = asyncio.run(run())
+    assert len(told) == len(set(told)) and set(told) == follower.retired_keys()  # each retired key told once
+    assert named == sorted([(STEWARD_1.public_key, STEWARD_0.public_key)] * 2 + [
         (STEWARD_2.public_key, STEWARD_1.public_key)])

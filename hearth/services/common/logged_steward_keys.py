@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,9 @@ class StewardKeysFromTheLog:
         self._kept_keys = LoggedKeys()
         self._kept: dict[tuple[str, int], KeptRotation] = {}
         self._caught_up = {stream: asyncio.Event() for stream in self.streams}
+        # Told each verified removal or rotation whose key no stream read so far had retired, as it is read (on the
+        # event loop; each must return at once): a shard host drops what that key's opens left there.
+        self.retirement_listeners: list[Callable[[MemberRemoved], None]] = []
         self._tasks: list[asyncio.Task] = []
 
     def named(self) -> list[tuple[str, str]]:
@@ -117,7 +120,11 @@ class StewardKeysFromTheLog:
         if self._logged.rejection(self._verifier, message) is not None:
             return False
         named_before = len(self._logged.steward_keys)
+        newly_retired = message.event.public_key not in self.retired_keys()
         self._logged.record(message.event)
+        if newly_retired:
+            for listener in self.retirement_listeners:
+                listener(message.event)
         return len(self._logged.steward_keys) > named_before
 
     async def _keep(self, message: StoredEvent) -> None:

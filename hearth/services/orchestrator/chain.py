@@ -9,7 +9,9 @@ A step fails (a typed result, never an exception) when:
   session's KV cache was evicted (`evicted`: nobody is to blame; the caller re-prefills on the same chain);
 - the output that reaches us fails the integrity check (`corrupt`, the last hop), or has another number of positions
   than the step sent (`corrupt`, the hop the taps saw change them; else `reported`: the last hop, blamed nowhere);
-- the stall watch finds a hop gone or holding the step too long (`gone`, `stalled`; stall.py);
+- the stall watch finds a hop gone or holding the step too long (`gone`, `stalled`; stall.py), or, before a step is
+  sent, a hop's host is no longer a member (`gone`: its removal or key rotation is in the roster or the event log),
+  so a call moves off a removed host at its next step even where a broker still admits that host;
 - our connection to the broker was lost while the step was out, or could not take it (`broker`, nobody's shard is
   to blame).
 """
@@ -71,8 +73,11 @@ class HopChain(HopSessions):
                  max_session_tokens: int | None = None, on_round_trip: Callable[[str, float], None] | None = None,
                  accusers: set[str] | None = None, record_budget_bytes: int | None = None,
                  placement: ChainPlacement | None = None, prefix: PrefixBlocks | None = None,
-                 sign_open: OpenSigner | None = None) -> None:
+                 sign_open: OpenSigner | None = None,
+                 why_not_a_member: Callable[[str], str | None] | None = None) -> None:
         self.nc, self.sign_open = nc, sign_open  # seals and signs each `open` on a community mesh (hop_owner.py)
+        # Why a hop's host may no longer serve (ShardRouter.why_not_a_member), asked before each step; None: never.
+        self.why_not_a_member = why_not_a_member
         # The blocks its hops may start from (hearth/services/orchestrator/prefix.py) and the positions every hop holds
         # of them once opened: where the chain's first prefill starts; whether every hop takes `replay` steps.
         self.prefix = prefix
@@ -200,6 +205,10 @@ class HopChain(HopSessions):
 
         `queued_tokens`: prefill tokens of steps still out ahead of it, which every hop runs first, so its
         timeout grows by their share too. `prompt_tokens`: a prefill chunk's prompt length (Hearth-Prompt-Tokens)."""
+        removed = self._removed_hop()
+        if removed is not None:
+            self._forget_outstanding()
+            return removed
         self._step += 1
         info = StepInfo(session=self.session_id, step=self._step, kind=kind, pos=pos, prompt_tokens=prompt_tokens)
         timeout_s = self._step_timeout_s(kind, int(hidden.shape[1]) + queued_tokens)
@@ -223,6 +232,15 @@ class HopChain(HopSessions):
             return self._broker_failure(epoch, f"step {self._step} was sent") or StepFailure(
                 "broker", None, f"step {self._step} could not be published: {error}")
         return SentStep(info, time.monotonic(), timeout_s, queued_behind, epoch, int(hidden.shape[1]))
+
+    def _removed_hop(self) -> StepFailure | None:
+        """The first hop whose host is no longer a member, failed as a host that died (`gone`): a broker that still
+        admits it (another broker, an older roster) would let it go on computing, and seeing, this call's steps."""
+        for hop in self.hops if self.why_not_a_member is not None else ():
+            reason = self.why_not_a_member(hop.node_id)
+            if reason is not None:
+                return StepFailure("gone", hop.shard_id, f"its host {hop.node_id} may not serve: {reason}")
+        return None
 
     def _forget_outstanding(self) -> None:
         """After a failure every step still out is abandoned: its late notices and outputs are stale."""

@@ -206,7 +206,8 @@ class ChainBuilder:
                         hidden_size=model.head.info.hidden_size,
                         max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens,
                         on_round_trip=self.ctx.load.observe_round_trip, record_budget_bytes=self.record_budget_bytes,
-                        prefix=self._reusable(naming), sign_open=self.ctx.open_signer)
+                        prefix=self._reusable(naming), sign_open=self.ctx.open_signer,
+                        why_not_a_member=self.ctx.router.why_not_a_member)
 
     def _mark_keeper(self) -> MemberKey | None:
         """Whose hops keep our calls' blocks, as marks are drawn: our member key (None on an open mesh, where shards

@@ -193,7 +193,7 @@ class ShardRouter:
             return "quarantined"
         if shard.node_quarantined_by is not None:
             return node_quarantine_reason(shard.node_id, shard.node_quarantined_by)
-        not_a_member = self._node_membership(shard.node_id) if self._node_membership is not None else None
+        not_a_member = self.why_not_a_member(shard.node_id)
         if not_a_member is not None:
             return not_a_member
         other_version = mesh_protocol_refusal(shard.protocol, "it")
@@ -207,6 +207,10 @@ class ShardRouter:
             return self.clock_off(shard) or \
                 f"not heard from for {now - last_seen:.0f} s (health_timeout_s={self.health_timeout_s:g})"
         return None
+
+    def why_not_a_member(self, node_id: str) -> str | None:
+        """Why `node_id`'s member may not serve shards now (removed, its key retired), None when it may."""
+        return self._node_membership(node_id) if self._node_membership is not None else None
 
     def clock_off(self, shard: ShardCandidate) -> str | None:
         """Why `shard`, stale or expired, is so when its latest heartbeat was dated beyond `max_clock_skew_s` of when

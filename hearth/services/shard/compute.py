@@ -159,6 +159,16 @@ class ShardCompute:
         positions kept."""
         return await on_compute_thread(self._keep_and_measure, request, keep, opener, False)
 
+    async def drop_kept_prefixes(self, opener: str) -> int:
+        """Drop every prefix hops of `opener` kept (its member was removed); the bytes freed."""
+        return await on_compute_thread(self._drop_kept_and_measure, opener)
+
+    def _drop_kept_and_measure(self, opener: str) -> int:
+        freed = self.runner.drop_kept_prefixes(opener)
+        self._measure_cache()
+        self._release_heap()
+        return freed
+
     def _keep_and_measure(self, request: OpenHop, keep: PrefixBlocks, opener: str | None,
                           end_session: bool = True) -> int:
         kept = self.runner.keep_prefix(runner_session(request), keep.hashes, keep.block_tokens,

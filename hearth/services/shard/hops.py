@@ -83,7 +83,7 @@ class ServedHop:
     """An opened hop: its receiver, its sender to the next hop, its keepalive subscription and serving task."""
 
     def __init__(self, nc: NatsClient, request: OpenHop, compute: ShardCompute, limits: HopLimits,
-                 node_id: str, *, opener: str | None = None) -> None:
+                 node_id: str, *, opener: str | None = None, opener_key: str | None = None) -> None:
         self.nc = nc
         self.request = request
         self.compute = compute
@@ -117,6 +117,8 @@ class ServedHop:
         # Who opened it (ShardServer._opened; None on an open mesh): the share of the shard's hops it counts against,
         # whose hops alone may attach the blocks it keeps, and the source its inputs teach the norm bounds for.
         self.opener = opener
+        self.opener_key = opener_key  # the key its open was signed with: a removal of it in the log closes the hop
+        self._last_received: int | None = None  # the last step of its session received
         self._keeping = False  # a `keep` of this hop is running on the compute thread
         # Set once the server's `open` of this hop has ended (served, failed or cancelled): a close waits for it.
         self.open_settled = asyncio.Event()
@@ -175,6 +177,12 @@ class ServedHop:
         finally:
             self._keeping = False
 
+    async def tell_dropped(self, message: str) -> None:
+        """Tell the orchestrator that the step it may await here will not come, its session dropped (`message` says
+        why): `session_evicted`, which blames nobody and has it re-open, answered as the shard answers that open."""
+        if self._last_received is not None:
+            await self._publish_notice(self._last_received, "session_evicted", message=message)
+
     async def _on_keepalive(self, msg: Msg) -> None:
         if self._keepalive_key is not None:
             # Only the opener's keepalive, and never one heard before: anyone may publish on this subject.
@@ -198,6 +206,7 @@ class ServedHop:
             self.last_heard = self.last_step = time.monotonic()
             if received.session != request.session_id:
                 continue  # a frame of an earlier session of this pipeline (before a failover)
+            self._last_received = received.step
             await self._run_step(received)
 
     async def _run_step(self, received: ReceivedStep) -> None:

@@ -8,7 +8,8 @@ snapshot of its cache figures); one opener has at most max_concurrent_streams op
 Opens and closes still take effect in the order they arrived (one lock, acquired in arrival order), so a late close
 never overtakes the re-open after a failover; but neither waits for the compute thread under that lock: an `open`
 reserves its hop under it and attaches its kept prefix (or resets the hop it replaces) outside it, and a `close`
-closes outside it what it detached under it. Until it knows it keeps its shard id (hearth/services/shard/claim.py) it
+closes outside it what it detached under it (hearth/services/shard/hop_closing.py). Until it knows it keeps its
+shard id (hearth/services/shard/claim.py) it
 answers the claims it outranks at once and holds every other request until then; a process that gave way, then or
 later, answers nothing and withdraws nothing. Once withdrawn (a `hearth host` moving: `withdraw`, then `drain`) it opens
 no new pipeline and lets the calls open here end before it stops.
@@ -37,7 +38,6 @@ from hearth.protocol.control import (
     ControlReply,
     KeepHop,
     OpenHop,
-    PrefixBlocks,
     ShardStat,
     StatShard,
     control_request_adapter,
@@ -54,6 +54,7 @@ from hearth.services.broker.permissions import reply_allowed
 from hearth.services.shard.admission import admission_refusal
 from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless_taken
 from hearth.services.shard.compute import ShardCompute
+from hearth.services.shard.hop_closing import HopClosing
 from hearth.services.shard.hops import HopLimits, ServedHop, opened_by
 from hearth.services.shard.identity import ShardIdentity, advertisement, open_refusal
 from hearth.services.shard.kept_events import say_once, shard_outbox, start_outbox
@@ -67,7 +68,7 @@ log = logging.getLogger(__name__)
 drain_poll_s = 0.1
 
 
-class ShardServer:
+class ShardServer(HopClosing):
     """Serves `open`/`close`/`stat` on its control subject and runs each open hop through ShardCompute."""
 
     def __init__(self, nc: NatsClient, compute: ShardCompute, identity: ShardIdentity, settings: HearthSettings, *,
@@ -108,6 +109,10 @@ class ShardServer:
         self._stopped = False
         self._withdrawn = False  # it said it leaves (withdraw): no new pipeline opens here, no advertisement follows
         self._claim = ShardClaim(self.signing_key)
+        self._removal_tasks: set[asyncio.Task] = set()
+        if self.steward_keys is not None:  # a removal read from the log drops what its key's opens left here
+            self.steward_keys.retirement_listeners.append(lambda removal: owned_task(
+                self._removal_tasks, self._drop_retired_opener(removal), name="shard-drop-removed"))
         self._question = ClaimQuestion(nc, identity.control_subject, self._claim)
 
     @property
@@ -189,14 +194,6 @@ class ShardServer:
     async def _watchdog_loop(self) -> None:
         await watch_hops(self._hops, self.limits, self.compute.evict_idle, self._close_expired)
 
-    async def _close_expired(self, pipeline_id: str, hop: ServedHop, reason: str) -> None:
-        """Close a hop the watchdog found expired (hearth/services/shard/hops.py), unless it was re-opened meanwhile."""
-        async with self._hop_changes:
-            detached = self._detach_hop(pipeline_id) if self._hops.get(pipeline_id) is hop else None
-        if detached is not None:
-            log.info("pipeline %s: %s; closing its hop", pipeline_id, reason)
-            await self._finish_closing(pipeline_id, detached)
-
     async def stop(self, reason: str = "shutdown") -> None:
         if self._stopped:
             return
@@ -204,7 +201,7 @@ class ShardServer:
         if self._control_sub is not None:  # first: a request heard after its tasks were cancelled would run on
             with contextlib.suppress(Exception):
                 await self._control_sub.unsubscribe()
-        tasks = [*self._background, *self._control_tasks]
+        tasks = [*self._background, *self._control_tasks, *self._removal_tasks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -271,7 +268,7 @@ class ShardServer:
                 await self._reply(msg, ControlReply(ok=False, code="unknown_pipeline",
                                                     message="no such session open here"))
             else:
-                kept = await hop.keep_now(request.keep)
+                kept = 0 if self._retired(hop.opener_key) else await hop.keep_now(request.keep)
                 await self._reply(msg, ControlReply(ok=True, cached_tokens=kept))
         elif isinstance(request, CloseHop):
             # Detached under the lock, closed outside it: closing waits for the compute thread (the session's
@@ -291,7 +288,7 @@ class ShardServer:
         else:
             opened = checked_open(msg, request, self.open_verifier, self.signing_key)
             reply = opened if isinstance(opened, ControlReply) else await self._opens.answer(
-                opened[0], lambda: self._open_hop(opened[1], opened[0]))
+                opened[0], lambda: self._open_hop(opened[2], opened[0], opened[1]))
             await self._reply(msg, reply)
 
     async def _reply(self, msg: Msg, reply: ControlReply | ShardStat) -> None:
@@ -310,7 +307,8 @@ class ShardServer:
                          open_pipelines=sorted(self._hops), cached_sessions=cache.sessions,
                          cache_bytes=cache.cache_bytes, **(self._claim.answer_fields() if answering_claim else {}))
 
-    async def _open_hop(self, request: OpenHop, opener: str | None = None) -> ControlReply:
+    async def _open_hop(self, request: OpenHop, opener: str | None = None,
+                        opener_key: str | None = None) -> ControlReply:
         """Reserve the hop under `_hop_changes`, wait for the compute thread (the replaced hop's reset, the kept prefix)
         outside it, then start the hop under it again: an open waiting behind a long step holds up no other open or
         close. Whoever detaches a hop closes it, once its open has settled (`_finish_closing`)."""
@@ -318,7 +316,7 @@ class ShardServer:
         if refusal is not None:
             return refusal
         async with self._hop_changes:
-            reserved = self._reserve_hop(request, opener)
+            reserved = self._reserve_hop(request, opener, opener_key)
         if isinstance(reserved, ControlReply):
             return reserved
         hop, replaced = reserved
@@ -347,8 +345,12 @@ class ShardServer:
                  request.pipeline_id, request.layer_lo, request.layer_hi, cached)
         return ControlReply(ok=True, cached_tokens=cached, replay_steps=True)
 
-    def _reserve_hop(self, request: OpenHop, opener: str | None) -> ControlReply | tuple[ServedHop, ServedHop | None]:
+    def _reserve_hop(self, request: OpenHop, opener: str | None,
+                     opener_key: str | None = None) -> ControlReply | tuple[ServedHop, ServedHop | None]:
         """Under `_hop_changes`: the new hop, counted as open, and the hop of its pipeline it replaces, detached."""
+        if self._retired(opener_key):  # read since its signature was checked: its hops were dropped, this one too
+            return ControlReply(ok=False, code="unauthorized", message="the open's key was removed from this community "
+                                                                       "(its removal or rotation is in the event log)")
         replaced = self._hops.get(request.pipeline_id)
         if replaced is not None and not opened_by(replaced, request):
             return ControlReply(ok=False, code="pipeline_taken",
@@ -360,7 +362,8 @@ class ShardServer:
             return refused
         if replaced is not None:  # a re-open (failover reuses this hop with a new session): start over cleanly
             self._detach_hop(request.pipeline_id)
-        hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id, opener=opener)
+        hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id, opener=opener,
+                        opener_key=opener_key)
         self._hops[request.pipeline_id] = hop
         self.compute.active_streams = len(self._hops)
         return hop, replaced
@@ -377,21 +380,3 @@ class ShardServer:
                 return None
             await hop.start()
         return cached
-
-    async def _close_hop(self, pipeline_id: str) -> None:
-        hop = self._detach_hop(pipeline_id)
-        if hop is not None:
-            await self._finish_closing(pipeline_id, hop)
-
-    def _detach_hop(self, pipeline_id: str) -> ServedHop | None:
-        """Stop counting a hop as open (call under `_hop_changes`); `_finish_closing` then closes it."""
-        hop = self._hops.pop(pipeline_id, None)
-        self.compute.active_streams = len(self._hops)
-        return hop
-
-    async def _finish_closing(self, pipeline_id: str, hop: ServedHop, keep: PrefixBlocks | None = None) -> None:
-        # Its open ends first (it may still wait for the compute thread): its prefix is attached before the session's
-        # cache is freed, never after. Bounded as that open's own compute-thread wait is; set even if it failed.
-        await hop.open_settled.wait()
-        kept = await hop.close(keep)
-        log.info("closed pipeline %s (%d positions kept for later calls)", pipeline_id, kept)
