@@ -11,7 +11,7 @@ import stat
 from hearth.events.signing import EventVerifier
 from hearth.events.steward_keys import caller_by_logs
 from hearth.services.common.kept_steward_keys import (
-    KeptRotation, load_kept_steward_keys, read_kept_rotations, trusted_rotations, write_kept_rotations,
+    KeptRemoval, load_kept_removals, read_kept_removals, trusted_removals, write_kept_removals,
 )
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import SYSTEM_MEMBER
@@ -24,9 +24,9 @@ from tests.unit.test_steward_key_from_the_log import (
 LOG = "hearth.services.common.kept_steward_keys"
 
 
-def kept(*rotations) -> list[KeptRotation]:
+def kept(*rotations) -> list[KeptRemoval]:
     """Each rotation as its stream stored it, at seq 3, 10, ... in order."""
-    return [KeptRotation.of(stored(event, seq)) for seq, event in zip((3, 10, 17, 24), rotations, strict=False)]
+    return [KeptRemoval.of(stored(event, seq)) for seq, event in zip((3, 10, 17, 24), rotations, strict=False)]
 
 
 def named_of(logged) -> set[tuple[str, str]]:
@@ -36,19 +36,19 @@ def named_of(logged) -> set[tuple[str, str]]:
 def test_kept_rotations_read_back_as_written_privately(tmp_path):
     path = tmp_path / "state" / "steward-keys.json"
     rotations = kept(rotation(STEWARD_0, STEWARD_1, t=20), rotation(STEWARD_1, STEWARD_2, t=50))
-    write_kept_rotations(path, reversed(rotations))
-    assert read_kept_rotations(path) == rotations
+    write_kept_removals(path, reversed(rotations))
+    assert read_kept_removals(path) == rotations
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    write_kept_rotations(path, rotations[:1])  # replaced whole
-    assert read_kept_rotations(path) == rotations[:1]
+    write_kept_removals(path, rotations[:1])  # replaced whole
+    assert read_kept_removals(path) == rotations[:1]
     assert [p.name for p in path.parent.iterdir()] == ["steward-keys.json"]  # no temporary file left behind
-    assert read_kept_rotations(tmp_path / "none.json") == []
+    assert read_kept_removals(tmp_path / "none.json") == []
 
 
 def test_a_chain_from_the_rosters_steward_key_counts_for_calls():
     verifier = EventVerifier(old_roster(), max_clock_skew_s=SKEW_S)
     rotations = kept(rotation(STEWARD_0, STEWARD_1, t=20), rotation(STEWARD_1, STEWARD_2, t=50))
-    logged, trusted = trusted_rotations(verifier, rotations)
+    logged, trusted = trusted_removals(verifier, rotations)
     assert trusted == rotations
     named = named_of(logged)
     assert named == {(STEWARD_1.public_key, STEWARD_0.public_key), (STEWARD_2.public_key, STEWARD_1.public_key)}
@@ -58,15 +58,15 @@ def test_a_chain_from_the_rosters_steward_key_counts_for_calls():
 
 def test_rotations_that_do_not_chain_back_to_the_rosters_steward_key_are_left_out_with_one_warning(tmp_path, caplog):
     path = tmp_path / "steward-keys.json"
-    write_kept_rotations(path, kept(
+    write_kept_removals(path, kept(
         rotation(STEWARD_1, STEWARD_2, t=50),                            # its predecessor's rotation is missing
         rotation(STEWARD_0, THIEF, signer=HUB, node="hub", t=21),        # signed by a key that is not the steward's
         rotation(THIEF, MemberKey.generate(), t=30)))                    # a key no chain reaches
     verifier = EventVerifier(old_roster(), max_clock_skew_s=SKEW_S)
     with caplog.at_level(logging.INFO, logger=LOG):
-        logged, trusted = load_kept_steward_keys(path, verifier)
+        logged, trusted = load_kept_removals(path, verifier)
     assert (named_of(logged), trusted) == (set(), [])
-    assert [(r.levelname, "3 of 3 rotations do not chain back" in r.getMessage()) for r in caplog.records] == [
+    assert [(r.levelname, "3 of 3 removals do not verify" in r.getMessage()) for r in caplog.records] == [
         ("WARNING", True)]
 
 
@@ -77,15 +77,15 @@ def test_a_file_that_does_not_read_is_left_out_with_one_warning(tmp_path, caplog
         path.write_bytes(content)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger=LOG):
-            logged, trusted = load_kept_steward_keys(path, verifier)
+            logged, trusted = load_kept_removals(path, verifier)
         assert (named_of(logged), trusted) == (set(), [])
         assert [r.levelname for r in caplog.records] == ["WARNING"] and "do not read" in caplog.records[0].getMessage()
 
 
-def test_a_body_that_is_not_a_stewards_rotation_teaches_nothing(tmp_path):
-    forged = KeptRotation.of(stored(rotation(STEWARD_0, STEWARD_1, t=20), 3)).model_copy(update={"body": "bm90"})
+def test_a_body_that_is_not_a_removal_teaches_nothing(tmp_path):
+    forged = KeptRemoval.of(stored(rotation(STEWARD_0, STEWARD_1, t=20), 3)).model_copy(update={"body": "bm90"})
     verifier = EventVerifier(old_roster(), max_clock_skew_s=SKEW_S)
-    assert trusted_rotations(verifier, [forged])[1] == []
+    assert trusted_removals(verifier, [forged])[1] == []
 
 
 def test_a_roster_that_names_a_later_steward_key_wins(tmp_path, caplog):
@@ -93,10 +93,10 @@ def test_a_roster_that_names_a_later_steward_key_wins(tmp_path, caplog):
     quietly (the roster caught up), and the chain for calls starts at the roster's key."""
     path = tmp_path / "steward-keys.json"
     rotations = kept(rotation(STEWARD_0, STEWARD_1, t=20))
-    write_kept_rotations(path, rotations)
+    write_kept_removals(path, rotations)
     newer = old_roster().with_rotated_key(SYSTEM_MEMBER, STEWARD_1.public_key, retired_at=at(10), cuts=[])
     with caplog.at_level(logging.WARNING, logger=LOG):
-        logged, _ = load_kept_steward_keys(path, EventVerifier(newer, max_clock_skew_s=SKEW_S))
+        logged, _ = load_kept_removals(path, EventVerifier(newer, max_clock_skew_s=SKEW_S))
     assert caplog.records == []
     named = named_of(logged) | {(STEWARD_1.public_key, STEWARD_0.public_key)}  # even if a stream still names it
     assert caller_by_logs(newer, STEWARD_1.public_key, named).name == SYSTEM_MEMBER

@@ -63,7 +63,7 @@ class OrchestratorSettings(ConfigSection):
         default=None,
         description="where the orchestrator keeps each audit event until it is stored, to write it after a kill "
                     "(a SQLite file per process, locked; default $XDG_STATE_HOME/hearth/event-outbox, else "
-                    "~/.local/state/hearth/event-outbox), and the steward's key rotations it learned "
+                    "~/.local/state/hearth/event-outbox), and the member removals and key rotations it learned "
                     "(steward-keys.json), past the streams' retention")
     broker_wait_s: float = Field(
         default=30.0, gt=0,
@@ -262,7 +262,8 @@ class ShardSettings(ConfigSection):
         description="where a shard host keeps each event it says once (its withdrawal) until it is stored, to write "
                     "it once the broker takes it, after a kill too (a SQLite file per process, locked; default "
                     "$XDG_STATE_HOME/hearth/shard-event-outbox, else ~/.local/state/hearth/shard-event-outbox), and "
-                    "the steward's key rotations it learned (steward-keys.json), past the shards stream's retention")
+                    "the member removals and key rotations it learned (steward-keys.json), past the shards stream's "
+                    "retention")
     stop_drain_timeout_s: float = Field(
         default=10.0, ge=0, le=max_event_duration_s,
         description="stopped (SIGTERM, Ctrl-C), a shard (`hearth shard`, `hearth host`) withdraws at once (no new "

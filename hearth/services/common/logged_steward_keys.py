@@ -4,7 +4,7 @@ subject from its first message and follows it, judging each removal and rotation
 (hearth/events/logged_keys.py), so the steward's rotation of its own key retires the old key for calls and opens, and
 names the new one, and a member's removal or key rotation retires its key for them, with no new roster copy.
 What it learns it keeps in a file in the process's state folder, read first at its next start
-(hearth/services/common/kept_steward_keys.py): a rotation that has aged out of the streams still counts."""
+(hearth/services/common/kept_steward_keys.py): a removal or rotation that has aged out of the streams still counts."""
 
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ from hearth.events.logged_keys import LoggedKeys
 from hearth.events.models import MemberRemoved
 from hearth.events.signing import EventVerifier
 from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS
-from hearth.services.common.kept_steward_keys import (
-    KeptRotation, load_kept_steward_keys, write_kept_rotations,
-)
+from hearth.services.common.kept_steward_keys import KeptRemoval, load_kept_removals, write_kept_removals
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +33,8 @@ retry_initial_s, retry_max_s = 0.5, 10.0
 
 class StewardKeysFromTheLog:
     """Reads and follows the removals subject of each of `streams` (those a member of this role may read), from its
-    first message: named() is what CallVerifier's `logged_steward_keys` asks. With `kept_file`, the rotations it
-    learns are kept there, and those kept before count from its start (None: it keeps nothing)."""
+    first message: named() is what CallVerifier's `logged_steward_keys` asks. With `kept_file`, the removals and
+    rotations it learns are kept there, and those kept before count from its start (None: it keeps nothing)."""
 
     def __init__(self, js: Any, verifier: EventVerifier, streams: Sequence[str],
                  kept_file: Path | None = None) -> None:
@@ -47,7 +45,9 @@ class StewardKeysFromTheLog:
         self.kept_file = kept_file
         # Read apart from the streams' own: each stream's rotations are judged at their place in its log.
         self._kept_keys = LoggedKeys()
-        self._kept: dict[tuple[str, int], KeptRotation] = {}
+        self._kept: dict[tuple[str, int], KeptRemoval] = {}
+        self._kept_written = True  # False while a removal learned is not in the file yet
+        self._writing = asyncio.Lock()  # one write at a time, so a later one never lands under an earlier one
         self._caught_up = {stream: asyncio.Event() for stream in self.streams}
         # Told each verified removal or rotation whose key no stream read so far had retired, as it is read (on the
         # event loop; each must return at once): a shard host drops what that key's opens left there.
@@ -61,17 +61,17 @@ class StewardKeysFromTheLog:
         return [(key, succeeded) for (_, key), succeeded in named.items()]
 
     def retired_keys(self) -> frozenset[str]:
-        """Every key a verified removal or rotation on any stream read so far retired: it signs no call or open from
-        then on (a call stands at no position in a log), whatever this process's roster copy says. Not kept across a
-        restart: past the streams' retention the roster, which the steward changed first, says it."""
-        return frozenset(key for _, key in self._logged.removed)
+        """Every key a verified removal or rotation on any stream read so far, or in the kept file, retired: it signs
+        no call or open from then on (a call stands at no position in a log), whatever this process's roster copy
+        says."""
+        return frozenset(key for _, key in self._logged.removed | self._kept_keys.removed)
 
     async def start(self, catch_up_timeout_s: float = steward_keys_catch_up_s) -> None:
         """Start following, the kept file read first; return once every stream was read to its end, or after
         `catch_up_timeout_s` (said)."""
         if self.kept_file is not None:
-            self._kept_keys, kept = await asyncio.to_thread(load_kept_steward_keys, self.kept_file, self._verifier)
-            self._kept = {(rotation.stream, rotation.seq): rotation for rotation in kept}
+            self._kept_keys, kept = await asyncio.to_thread(load_kept_removals, self.kept_file, self._verifier)
+            self._kept = {(removal.stream, removal.seq): removal for removal in kept}
         self._tasks = [asyncio.create_task(self._follow(stream), name=f"steward-keys-{stream}")
                        for stream in self.streams]
         with contextlib.suppress(TimeoutError):
@@ -99,10 +99,11 @@ class StewardKeysFromTheLog:
                 async with contextlib.aclosing(messages) as reader:
                     async for message in reader:
                         next_seq = message.seq + 1
-                        if self._take_in(message):
-                            await self._keep(message)
+                        if self._take_in(message) and follow:
+                            await self._write_kept()
                         retry_s = retry_initial_s
                 if not follow:
+                    await self._write_kept()  # once for all the catch-up read learned
                     self._caught_up[stream].set()
                     continue
             except asyncio.CancelledError:
@@ -114,27 +115,39 @@ class StewardKeysFromTheLog:
             retry_s = min(retry_s * 2, retry_max_s)
 
     def _take_in(self, message: Any) -> bool:
-        """Judge and record a removal read from a stream; True when it named a steward key there."""
+        """Judge and record a removal read from a stream; True when it counted there (verified, and the first of its
+        key on its stream): it is then added to what the kept file is to hold."""
         if not isinstance(message, StoredEvent) or not isinstance(message.event, MemberRemoved):
             return False
         if self._logged.rejection(self._verifier, message) is not None:
             return False
-        named_before = len(self._logged.steward_keys)
+        if self._logged.removal_logged(message.stream, message.event.public_key):
+            return False
         newly_retired = message.event.public_key not in self.retired_keys()
         self._logged.record(message.event)
         if newly_retired:
             for listener in self.retirement_listeners:
                 listener(message.event)
-        return len(self._logged.steward_keys) > named_before
+        if self.kept_file is not None and (message.stream, message.seq) not in self._kept:
+            self._kept[(message.stream, message.seq)] = KeptRemoval.of(message)
+            self._kept_written = False
+        return True
 
-    async def _keep(self, message: StoredEvent) -> None:
-        """Add a rotation just learned to the kept file (a failed write is said, never fatal: the streams still
-        hold it)."""
-        if self.kept_file is None or (message.stream, message.seq) in self._kept:
-            return
-        self._kept[(message.stream, message.seq)] = KeptRotation.of(message)
-        try:
-            await asyncio.to_thread(write_kept_rotations, self.kept_file, list(self._kept.values()))
-        except OSError as error:
-            log.warning("steward keys: the rotation of %s's steward key could not be kept in %s (%s); it counts "
-                        "while the streams hold it", message.stream, self.kept_file, error)
+    async def _write_kept(self) -> None:
+        """Write what was learned since the last write to the kept file (a failed write is said, never fatal: the
+        streams still hold it, and the next write tries again)."""
+        async with self._writing:
+            if self.kept_file is None or self._kept_written:
+                return
+            self._kept_written = True
+            writing = dict(self._kept)
+            try:
+                written = await asyncio.to_thread(write_kept_removals, self.kept_file, list(writing.values()))
+            except OSError as error:
+                self._kept_written = False
+                log.warning("retired keys: the removals learned could not be kept in %s (%s); they count while the "
+                            "streams hold them", self.kept_file, error)
+                return
+            # Over the file's bounds: what was left out is not held here either.
+            for position in writing.keys() - {(removal.stream, removal.seq) for removal in written}:
+                del self._kept[position]
