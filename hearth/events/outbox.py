@@ -20,6 +20,12 @@ not wait for), perhaps longer ago than the duplicate window: they are looked for
 one is not there. The writer writes one event at a time, in order, so none after that one was ever tried. The
 file's reads and writes run on one thread of their own, never on the event loop.
 
+A file the disk refuses (full) keeps nothing new, and the events go on being written from memory: the first refusal is
+said once at ERROR ("disk full", naming the file), the later ones not at all, until the file keeps events again
+(WARNING). Those it refused and that are not stored yet are appended first, in order, as soon as it takes one again
+(at the next `record`, or at `stop`), so the file keeps them for the next run with the order they are written in.
+A removal the disk refuses is said the same way: the row stays, and the next run finds its event in the stream.
+
 An event is signed by the member that made it: it is kept in the file signed (by the key of the process that recorded
 it), and what a previous run left goes out as it was kept, never signed again. One left signed by a key this process
 does not hold (the member's key rotated in between) is dropped, its count said at WARNING: stored now, after that
@@ -32,8 +38,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +51,7 @@ from nats.js import JetStreamContext
 from hearth.events.consume import StoredEvent, read_stream
 from hearth.events.metrics import event_outbox_depth
 from hearth.events.models import EventEnvelope
-from hearth.events.outbox_file import LeftEvent, OutboxFile
+from hearth.events.outbox_file import LeftEvent, OutboxFile, write_fault
 from hearth.events.publish import MSG_ID_HEADER, publish_event, publish_timeout_s, publish_total_deadline_s
 from hearth.events.signing import sign_event
 from hearth.events.streams import duplicate_window_s, stream_for_subject
@@ -55,17 +63,21 @@ log = logging.getLogger(__name__)
 # Past this long after an event's first write, a retry may come more than the duplicate window after an earlier try
 # that was stored (one publish_event call retries up to its deadline plus one timeout): it looks in the stream first.
 unchecked_retry_horizon_s = duplicate_window_s - publish_total_deadline_s - publish_timeout_s
+# Events the file refused (a full disk) are appended again in transactions of at most this many.
+keep_at_once = 256
 # `record` waits this long at most for its event's append to the file (a hung disk): the event is written all the same.
 append_wait_s = 5.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Queued:
-    """An event waiting to be written: its row in the outbox file (the file thread's future of it, for a recorded
-    one; None without a file), and whether a previous process left it (and may have stored it)."""
+    """An event waiting to be written: the file thread's keeping of it (for `record` to wait on), its row in the
+    outbox file once kept (set on the file thread; None without a file or while the disk refuses it), and whether a
+    previous process left it (and may have stored it)."""
 
     event: EventEnvelope
-    row: Future[int | None] | int | None = None
+    kept: Future[None] | None = None
+    row_id: int | None = None
     left_by_previous_run: bool = False
     holds_room: bool = True  # one of the `max_queued` places, given back once it is stored
 
@@ -97,6 +109,12 @@ class EventOutbox:
         self._file_thread: ThreadPoolExecutor | None = None
         # Whether the next event a previous run left may have been stored by it: until one is found not stored.
         self._left_maybe_stored = True
+        # On the file thread only: events recorded that the file refused (a full disk) and not stored yet, in order;
+        # and what the disk refused, said once, while it refuses appends, then removals.
+        self._unkept: deque[_Queued] = deque()
+        self._append_fault: str | None = None
+        self._refused_appends = 0
+        self._remove_fault: str | None = None
 
     @property
     def calls_left_open(self) -> list[str]:
@@ -123,7 +141,7 @@ class EventOutbox:
             holding = min(len(left_events), self.max_queued)
             self._room = asyncio.Semaphore(self.max_queued - holding)
             for number, left in enumerate(left_events):
-                self._queue.put_nowait(_Queued(left.event, row=left.row_id, left_by_previous_run=True,
+                self._queue.put_nowait(_Queued(left.event, row_id=left.row_id, left_by_previous_run=True,
                                                holds_room=number < holding))
             if left_events:
                 log.warning("event outbox %s: writing %d event(s) a previous run left", file.path, len(left_events))
@@ -165,14 +183,14 @@ class EventOutbox:
         queued = _Queued(event)
         if self._file_thread is not None:
             # Submitted now, in the order of the calls: the file's rows keep the queue's order.
-            queued.row = self._file_thread.submit(self._append, queued)
+            queued.kept = self._file_thread.submit(self._keep, queued)
         self._queue.put_nowait(queued)
         event_outbox_depth.set(self.depth)
-        if queued.row is not None:
+        if queued.kept is not None:
             try:
                 async with asyncio.timeout(append_wait_s):
                     # Shielded: a cancelled caller's event is still appended (and written).
-                    await asyncio.shield(asyncio.wrap_future(queued.row))
+                    await asyncio.shield(asyncio.wrap_future(queued.kept))
             except TimeoutError:
                 log.warning("event outbox %s: %s %s not appended within %.0f s (the disk is slow); going on",
                             self.file.path, event.type, event.event_id, append_wait_s)
@@ -197,43 +215,87 @@ class EventOutbox:
         the next run's to write)."""
         if self._writer is None:
             return
-        if not await self.flush(timeout_s):
-            kept = f"; kept in {self.file.path} for the next run" if self.file is not None else ""
-            log.error("%d audit event(s) not written before shutdown%s", self.depth, kept)
+        written = await self.flush(timeout_s)
+        not_written = self.depth
         self._writer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._writer
         self._writer = None
+        # A last try at keeping what the disk refused (room may have been made since the last `record`).
+        not_kept = await asyncio.wrap_future(self._file_thread.submit(self._keep_unkept)) if self.file else 0
+        if not written and self.file is None:
+            log.error("%d audit event(s) not written before shutdown", not_written)
+        elif not written:
+            lost = f", {not_kept} lost: the file refused them ({self._append_fault})" if not_kept else ""
+            log.error("%d audit event(s) not written before shutdown; %d kept in %s for the next run%s", not_written,
+                      not_written - not_kept, self.file.path, lost)
         if self._file_thread is not None:
             self._file_thread.submit(self.file.close)
             await asyncio.get_running_loop().run_in_executor(None, self._file_thread.shutdown)
             self._file_thread = None
 
-    def _append(self, queued: _Queued) -> int | None:
+    def _keep(self, queued: _Queued) -> None:
         """On the file thread: the event signed (by the member that made it: a process after a kill writes it as it is,
-        never as its own), then its row, or None when the file refused it (full disk): the event is still written from
-        memory, only not kept across a kill."""
-        event = queued.event = self._signed(queued.event)  # the writer then signs it no more (the same bytes if it did)
-        try:
-            return self.file.append(event)
-        except Exception as error:
-            log.error("event outbox %s: %s %s not kept in the file (%s); it is written all the same",
-                      self.file.path, event.type, event.event_id, error)
-            return None
+        never as its own), then appended to the file behind those it refused before (_keep_unkept)."""
+        queued.event = self._signed(queued.event)  # the writer then signs it no more (the same bytes if it did)
+        self._unkept.append(queued)
+        if self._keep_unkept():
+            self._refused_appends += 1
+
+    def _keep_unkept(self) -> int:
+        """On the file thread: append the events the file refused and not stored yet, oldest first, up to the first it
+        refuses again (those after wait behind it: the file keeps the order they are written in); how many are left.
+        A refused one is still written from memory, only not kept across a kill."""
+        probing = self._append_fault is not None  # one event first: a disk still full refuses it as well as many
+        while self._unkept:
+            waiting = list(itertools.islice(self._unkept, 1 if probing else keep_at_once))
+            probing = False
+            try:
+                if len(waiting) == 1:  # the usual case: one event, in a commit of its own
+                    waiting[0].row_id = self.file.append(waiting[0].event)
+                else:
+                    for queued, row_id in zip(waiting, self.file.append_many([queued.event for queued in waiting]),
+                                              strict=True):
+                        queued.row_id = row_id
+            except Exception as error:
+                if self._append_fault is None:
+                    self._append_fault = write_fault(error)
+                    log.error("event outbox %s: %s; events are not kept in it until there is room (they are still "
+                              "written while this process runs, and kept once there is room)", self.file.path,
+                              self._append_fault)
+                self.file.give_back_room()
+                return len(self._unkept)
+            for _ in waiting:
+                self._unkept.popleft()
+        if self._append_fault is not None:
+            log.warning("event outbox %s: keeping events again (%d recorded while it could not: %s)",
+                        self.file.path, self._refused_appends, self._append_fault)
+            self._append_fault, self._refused_appends = None, 0
+        return 0
 
     def _signed(self, event: EventEnvelope) -> EventEnvelope:
         """`event` as it goes out: signed by this process's key, unless it carries its maker's signature already."""
         return event if self.signing_key is None or event.signature else sign_event(event, self.signing_key)
 
-    def _remove(self, row: Future[int | None] | int) -> None:
-        """On the file thread, after the row's append (the thread runs its jobs in order): the row, stored."""
-        row_id = row.result() if isinstance(row, Future) else row
-        if row_id is None:
+    def _forget(self, queued: _Queued) -> None:
+        """On the file thread, after the event's append (the thread runs its jobs in order): the event, stored, out of
+        the file (or of what waits to be kept)."""
+        if queued.row_id is None:
+            with contextlib.suppress(ValueError):  # stored before the file kept it: nothing to keep now
+                self._unkept.remove(queued)
             return
         try:
-            self.file.remove(row_id)
+            self.file.remove(queued.row_id)
         except Exception as error:  # stored all the same: the next run finds it in the stream
-            log.error("event outbox %s: row %d stored but not removed (%s)", self.file.path, row_id, error)
+            if self._remove_fault is None:
+                self._remove_fault = write_fault(error)
+                log.error("event outbox %s: %s; events stored stay in it until there is room (the next run finds "
+                          "them in the stream)", self.file.path, self._remove_fault)
+            return
+        if self._remove_fault is not None:
+            log.warning("event outbox %s: removing stored events again (after %s)", self.file.path,
+                        self._remove_fault)
+            self._remove_fault = None
 
     async def _write_forever(self) -> None:
         while True:
@@ -245,9 +307,9 @@ class EventOutbox:
                 maybe_stored = queued.left_by_previous_run and self._left_maybe_stored
                 if not await self._write(queued.event, maybe_stored=maybe_stored) and maybe_stored:
                     self._left_maybe_stored = False  # we stored it: the previous run never tried the ones after it
-                if queued.row is not None:
+                if self._file_thread is not None:
                     # Not waited for (one thread hop less per event): a kill before it is what recovery looks for.
-                    self._file_thread.submit(self._remove, queued.row)
+                    self._file_thread.submit(self._forget, queued)
             finally:
                 self._writing = None
                 self._queue.task_done()

@@ -23,12 +23,14 @@ killed, a file waits until N are started again). Every method but `claim` runs o
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
 import re
 import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +99,7 @@ class OutboxFile:
                     lock_file.close()
                     raise
         except (OSError, sqlite3.Error) as error:
-            raise OutboxFileUnavailable(f"event outbox folder {folder}: {error}") from None
+            raise OutboxFileUnavailable(f"event outbox folder {folder}: {write_fault(error)}") from None
         raise OutboxFileUnavailable(f"event outbox folder {folder}: {max_files_per_owner} processes of {owner!r} "
                                     "already hold its files")
 
@@ -122,6 +124,33 @@ class OutboxFile:
             raise
         return row_id
 
+    def append_many(self, events: Sequence[EventEnvelope]) -> list[int]:
+        """Store `events` in order, in one transaction (all of them or none): one commit's pages in the write-ahead
+        log rather than one per event, which matters when the events waited for room on a full disk."""
+        self._connection.execute("BEGIN")
+        try:
+            row_ids = []
+            for event in events:
+                row_ids.append(self._connection.execute(
+                    "INSERT INTO events (event) VALUES (?)", (encode_event(event),)).lastrowid)
+                if event.type in _CALL_OPENING_TYPES:
+                    self._connection.execute("INSERT OR IGNORE INTO open_calls (pipeline_id) VALUES (?)",
+                                             (event.pipeline_id,))
+                elif event.type in _CALL_ENDING_TYPES:
+                    self._connection.execute("DELETE FROM open_calls WHERE pipeline_id = ?", (event.pipeline_id,))
+            self._connection.execute("COMMIT")
+        except BaseException:
+            if self._connection.in_transaction:  # SQLite may have rolled it back itself (a full disk)
+                self._connection.execute("ROLLBACK")
+            raise
+        return row_ids
+
+    def give_back_room(self) -> None:
+        """Empty the write-ahead log into the file and cut it to nothing (after the disk refused a write): each commit
+        adds a page or more to the log until its next checkpoint, which a full disk may never let it reach."""
+        with contextlib.suppress(sqlite3.Error):
+            self._connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
     def remove(self, row_id: int) -> None:
         self._connection.execute("DELETE FROM events WHERE row_id = ?", (row_id,))
 
@@ -143,6 +172,15 @@ class OutboxFile:
                 log.error("event outbox %s: row %d is not an event (%s); dropped", self.path, row_id, error)
                 self.remove(row_id)
         return left
+
+
+def write_fault(error: BaseException) -> str:
+    """`error` in a few words for a log line, led by "disk full" when the disk has no room (SQLite's SQLITE_FULL, or
+    ENOSPC), so that an operator reads at once what to free."""
+    code = getattr(error, "sqlite_errorcode", None)
+    if (code is not None and code & 0xFF == sqlite3.SQLITE_FULL) or getattr(error, "errno", None) == errno.ENOSPC:
+        return f"disk full ({error})"
+    return str(error)
 
 
 def file_stem(owner: str) -> str:

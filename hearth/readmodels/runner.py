@@ -39,11 +39,11 @@ from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionRea
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
 from hearth.readmodels.applied_backfill import record_ids_applied_before
 from hearth.readmodels.batch_transaction import apply_in_one_transaction
-from hearth.readmodels.db import (ReadModelUnusable, damaged_file, open_engine, refusing_a_damaged_file, storage_fault,
-                                  upgrade_database)
+from hearth.readmodels.db import ReadModelUnusable, damaged_file, open_engine, refusing_a_damaged_file, upgrade_database
 from hearth.readmodels.positions import ConcurrentProjectionError, load_stream_identities, record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, load_positions
 from hearth.readmodels.retention import RetentionPolicy, keep_pruning
+from hearth.readmodels.storage_fault_log import StorageFaultLog
 from hearth.readmodels.stream_identity import StreamIdentities, stream_state
 from hearth.readmodels.task_cancel import cancel_within
 from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
@@ -125,6 +125,7 @@ class Projector:
         self._started = False
         self.unusable: ReadModelUnusable | None = None  # the file found damaged (db.damaged_file): nothing more applied
         self.found_unusable = asyncio.Event()
+        self._storage_faults = StorageFaultLog(self.db_path)
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
@@ -271,6 +272,7 @@ class Projector:
                 async with self._write_turn:
                     await self._apply_in_thread(batch)
                 retry_s = apply_retry_initial_s
+                self._storage_faults.cleared()
             except asyncio.CancelledError:
                 raise
             except Exception as error:
@@ -281,10 +283,7 @@ class Projector:
                 if isinstance(error, ConcurrentProjectionError):  # no fault of the batch: a second writer of the file
                     log.warning("projector: %s (is another projector writing %s?); resuming from the stored positions "
                                 "in %.1f s", error, self.db_path, retry_s)
-                elif (fault := storage_fault(error)) is not None:  # a full disk, a read-only file: the operator's
-                    log.error("projector: cannot write %s (%s); nothing of the batch was applied, trying again in "
-                              "%.1f s", self.db_path, fault, retry_s)
-                else:
+                elif not self._storage_faults.said(error, retry_s):  # a full disk, a read-only file: said there
                     log.exception("projector: applying a batch of %d failed; resuming from the stored positions "
                                   "in %.1f s", len(batch), retry_s)
                 await asyncio.sleep(retry_s)
