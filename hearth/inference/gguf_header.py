@@ -233,8 +233,9 @@ def checked_gguf_header(path: Path) -> ParsedGGUFHeader:
     """`path`'s header read by hearth's bounded parser, before the gguf package's reader or transformers' see the
     file (they trust what it declares: a metadata array of 2^62 items, or nested thousands deep, runs them out of
     memory or stack); CheckpointError (one line) when it is truncated, corrupt (tensor bytes overlapping, misaligned
-    or not filling what their infos state: check_data_layout), of an architecture hearth does not serve, or declares
-    a layer count no model has, or one its tensors contradict. Parsed once per file version."""
+    or not filling what their infos state: check_data_layout; a block type id GGML does not define), of an
+    architecture hearth does not serve, or declares a layer count no model has, or one its tensors contradict. Parsed
+    once per file version."""
     return _checked_header(str(path.resolve()), file_version(path.stat()))
 
 
@@ -243,8 +244,13 @@ def _checked_header(path_text: str, version: FileVersion) -> ParsedGGUFHeader:
     path = Path(path_text)
     # Tensors' block types are checked where a range is read: a file may hold only metadata (a hub download's, sized
     # from it), or a block type hearth does not read in layers it is not asked for. Their bytes' layout is checked
-    # by the parser, for every tensor.
+    # by the parser, for every tensor. A type id no GGML version defines is refused here, by the tensor's name: the
+    # gguf package's reader and transformers' fail on it in words that name neither.
     header = read_gguf_header(path, check_tensors=False)
+    from gguf import GGMLQuantizationType
+
+    check_block_types(((tensor.name, tensor.block_type) for tensor in header.split.tensors
+                       if tensor.block_type not in GGMLQuantizationType.__members__), path.name)
     architecture = header.architecture
     refusal = unsupported_architecture(architecture, path.name)
     if refusal is not None:
