@@ -4,6 +4,8 @@ dialled and without a traceback, whichever command it is given to."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from gguf import GGMLQuantizationType
 from typer.testing import CliRunner
@@ -51,3 +53,19 @@ def test_a_tensor_of_a_type_no_gguf_reader_knows_is_refused_by_name(command, sou
     patched = patched_info(source, tmp_path / "typed.gguf", "token_embd.weight", block_type=9999)
     line = refusal_line(command, str(patched))
     assert "tensor token_embd.weight of typed.gguf is stored as type 9999, a GGUF type hearth does not read" in line
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("link", ["loop/a", "self.gguf"])
+def test_a_symbolic_link_loop_is_refused_as_this_machines_not_looked_up_on_the_hub(command, link, tmp_path,
+                                                                                   monkeypatch):
+    """Before, `loop/a` (a loop of two links) read as a hub id: a host looked it up on the network and exited 1, an
+    orchestrator dialled the broker; `self.gguf` (a link to itself) was said not to exist."""
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "a").symlink_to("b")
+    (tmp_path / "loop" / "b").symlink_to("a")
+    (tmp_path / "self.gguf").symlink_to("self.gguf")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert f"{Path(link)} is a symbolic link that leads nowhere (a loop, or its target is missing)" in \
+        refusal_line(command, link)
