@@ -208,8 +208,8 @@ def _tensor_name(cursor: _Cursor, index: int, file_name: str) -> str:
 def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHeader:
     """The header of the local GGUF at `path` (its tensors checked only with `check_tensors`, parse_gguf_header: a
     part of a GGUF may hold none), reading only as many of its leading bytes as the header takes (at most
-    MAX_GGUF_HEADER_BYTES); CheckpointError (one line) when the file is empty, or truncated: cut inside its header, or
-    shorter than its tensor infos say its tensors need."""
+    MAX_GGUF_HEADER_BYTES); CheckpointError (one line) when the file is empty, its header states more bytes than that
+    bound, or it is truncated: cut inside its header, or shorter than its tensor infos say its tensors need."""
     file_size = path.stat().st_size
     if not file_size:
         raise CheckpointError(f"{path.name} is empty (0 bytes): not a GGUF file")
@@ -220,12 +220,14 @@ def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHe
         try:
             return parse_gguf_header(buffer, file_size, path.name, check_tensors=check_tensors)
         except HeaderIncomplete as incomplete:
+            # Past the bound first: a length no header has (2^62) is corruption, which re-downloading will not mend.
+            if incomplete.needed > MAX_GGUF_HEADER_BYTES:
+                raise CheckpointError(f"{path.name}'s header is longer than {MAX_GGUF_HEADER_BYTES} bytes (it states "
+                                      f"at least {incomplete.needed}), hearth's bound on a GGUF header: corrupt, or "
+                                      "not a GGUF hearth reads") from None
             if incomplete.needed > file_size:
                 raise truncated_refusal(path.name, f"its header needs at least {incomplete.needed} bytes",
                                         file_size) from None
-            if incomplete.needed > MAX_GGUF_HEADER_BYTES:
-                raise CheckpointError(f"{path.name}'s header is longer than {MAX_GGUF_HEADER_BYTES} bytes, "
-                                      "hearth's bound on a GGUF header: not a GGUF hearth reads") from None
             wanted = min(file_size, MAX_GGUF_HEADER_BYTES, max(incomplete.needed, 2 * wanted))
 
 
