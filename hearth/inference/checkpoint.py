@@ -260,6 +260,8 @@ class SafetensorsCheckpoint:
             return
         files = [path / SAFETENSORS_SINGLE_NAME] if (path / SAFETENSORS_SINGLE_NAME).is_file() else []
         files = files or sorted(path.glob("*.safetensors"))
+        if not files and not (path / "config.json").is_file():  # no checkpoint at all (an empty folder)
+            raise CheckpointError(f"{path} has no config.json")
         if not files:
             # A folder with a config.json is a safetensors checkpoint's (single_gguf_in), even when it holds a GGUF
             # too, as some hub repositories of GGUFs do: name the file that would serve.

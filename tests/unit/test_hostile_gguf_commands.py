@@ -69,3 +69,12 @@ def test_a_symbolic_link_loop_is_refused_as_this_machines_not_looked_up_on_the_h
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     assert f"{Path(link)} is a symbolic link that leads nowhere (a loop, or its target is missing)" in \
         refusal_line(command, link)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_folder_holding_only_a_link_to_itself_is_said_to_have_no_config(command, tmp_path, monkeypatch):
+    """Before, `hearth shard` said such a folder "has no safetensors weights beside its config.json": it has none."""
+    (tmp_path / "looping").mkdir()
+    (tmp_path / "looping" / "self").symlink_to(".")
+    monkeypatch.chdir(tmp_path)
+    assert refusal_line(command, "./looping").endswith("looping has no config.json")
