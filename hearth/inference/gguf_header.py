@@ -209,7 +209,8 @@ def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHe
     """The header of the local GGUF at `path` (its tensors checked only with `check_tensors`, parse_gguf_header: a
     part of a GGUF may hold none), reading only as many of its leading bytes as the header takes (at most
     MAX_GGUF_HEADER_BYTES); CheckpointError (one line) when the file is empty, its header states more bytes than that
-    bound, or it is truncated: cut inside its header, or shorter than its tensor infos say its tensors need."""
+    bound, it is truncated (cut inside its header, or shorter than its tensor infos say its tensors need), or a text
+    tensor's block type id is one GGML does not define."""
     file_size = path.stat().st_size
     if not file_size:
         raise CheckpointError(f"{path.name} is empty (0 bytes): not a GGUF file")
@@ -218,7 +219,7 @@ def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHe
         with path.open("rb") as handle:
             buffer = handle.read(wanted)
         try:
-            return parse_gguf_header(buffer, file_size, path.name, check_tensors=check_tensors)
+            header = parse_gguf_header(buffer, file_size, path.name, check_tensors=check_tensors)
         except HeaderIncomplete as incomplete:
             # Past the bound first: a length no header has (2^62) is corruption, which re-downloading will not mend.
             if incomplete.needed > MAX_GGUF_HEADER_BYTES:
@@ -229,6 +230,14 @@ def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHe
                 raise truncated_refusal(path.name, f"its header needs at least {incomplete.needed} bytes",
                                         file_size) from None
             wanted = min(file_size, MAX_GGUF_HEADER_BYTES, max(incomplete.needed, 2 * wanted))
+            continue
+        # A text tensor of a type id no GGML version defines, refused by its name: the gguf package's reader and
+        # transformers', which every local file meets next, fail on it in words that name neither.
+        from gguf import GGMLQuantizationType
+
+        check_block_types(((tensor.name, tensor.block_type) for tensor in header.split.tensors
+                           if tensor.block_type not in GGMLQuantizationType.__members__), path.name)
+        return header
 
 
 def checked_gguf_header(path: Path) -> ParsedGGUFHeader:
@@ -246,13 +255,8 @@ def _checked_header(path_text: str, version: FileVersion) -> ParsedGGUFHeader:
     path = Path(path_text)
     # Tensors' block types are checked where a range is read: a file may hold only metadata (a hub download's, sized
     # from it), or a block type hearth does not read in layers it is not asked for. Their bytes' layout is checked
-    # by the parser, for every tensor. A type id no GGML version defines is refused here, by the tensor's name: the
-    # gguf package's reader and transformers' fail on it in words that name neither.
+    # by the parser, for every tensor, and a type id no GGML version defines by read_gguf_header.
     header = read_gguf_header(path, check_tensors=False)
-    from gguf import GGMLQuantizationType
-
-    check_block_types(((tensor.name, tensor.block_type) for tensor in header.split.tensors
-                       if tensor.block_type not in GGMLQuantizationType.__members__), path.name)
     architecture = header.architecture
     refusal = unsupported_architecture(architecture, path.name)
     if refusal is not None:

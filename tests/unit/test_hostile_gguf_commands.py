@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType
 from typer.testing import CliRunner
 
 from hearth.services.cli import app
+from hearth.services.devtools.demo_model import DemoError, resolve_demo_model
 
 from .gguf_files import own_cache, tiny_gguf  # noqa: F401  (fixtures)
 from .test_gguf_hostile import patched_info
@@ -78,3 +79,13 @@ def test_a_folder_holding_only_a_link_to_itself_is_said_to_have_no_config(comman
     (tmp_path / "looping" / "self").symlink_to(".")
     monkeypatch.chdir(tmp_path)
     assert refusal_line(command, "./looping").endswith("looping has no config.json")
+
+
+def test_the_demo_bench_and_eval_name_a_tensor_of_a_type_no_gguf_reader_knows(source, tmp_path,
+                                                                             own_cache):  # noqa: F811
+    """Before, their torch-free description ended in the reader's `ValueError: np.uint32(9999) is not a valid
+    GGMLQuantizationType`."""
+    patched = patched_info(source, tmp_path / "typed.gguf", "token_embd.weight", block_type=9999)
+    with pytest.raises(DemoError, match="tensor token_embd.weight of typed.gguf is stored as type 9999, a GGUF type "
+                                        "hearth does not read"):
+        resolve_demo_model(str(patched))
