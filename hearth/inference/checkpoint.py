@@ -103,13 +103,22 @@ def is_local_model(model: str) -> bool:
     """Whether `model` names a model of this machine (a path, a GGUF file, an Ollama model, or nothing at all), as
     opposed to one fetched from elsewhere (a hub id not on disk here): one that cannot be used is the caller's input
     (exit code 2), while a fetched one may fail for now (the network, the broker)."""
-    return looks_like_local_path(model) or not model.strip() or Path(model).expanduser().exists()
+    return looks_like_local_path(model) or not model.strip() or _named_here(Path(model).expanduser())
+
+
+def _named_here(path: Path) -> bool:
+    """Whether `path` names an entry of this machine's file system, a symbolic link that leads nowhere (a loop, a
+    missing target) included: "loop/a" is then this machine's broken link, not a hub id to look up."""
+    return os.path.lexists(path)
 
 
 def _not_a_checkpoint(path: Path) -> str:
-    """Why `path`, given as a local model, is none: missing, or a file that is no GGUF (before, said missing too)."""
+    """Why `path`, given as a local model, is none: missing, a link leading nowhere, or a file that is no GGUF
+    (before, the last two were said missing too)."""
     if path.exists():
         return f"{path} is neither a checkpoint folder nor a GGUF file"
+    if path.is_symlink():
+        return f"{path} is a symbolic link that leads nowhere (a loop, or its target is missing)"
     return f"checkpoint folder or GGUF file {path} does not exist"
 
 
@@ -145,7 +154,7 @@ def resolve_model_path(
         if not path.is_dir():
             raise CheckpointError(_not_a_checkpoint(path))
         return (single_gguf_in(path) or path).resolve()
-    if looks_like_local_path(model):
+    if looks_like_local_path(model) or _named_here(Path(model).expanduser()):
         raise CheckpointError(_not_a_checkpoint(Path(model).expanduser()))
 
     from huggingface_hub import snapshot_download
@@ -251,6 +260,8 @@ class SafetensorsCheckpoint:
             return
         files = [path / SAFETENSORS_SINGLE_NAME] if (path / SAFETENSORS_SINGLE_NAME).is_file() else []
         files = files or sorted(path.glob("*.safetensors"))
+        if not files and not (path / "config.json").is_file():  # no checkpoint at all (an empty folder)
+            raise CheckpointError(f"{path} has no config.json")
         if not files:
             # A folder with a config.json is a safetensors checkpoint's (single_gguf_in), even when it holds a GGUF
             # too, as some hub repositories of GGUFs do: name the file that would serve.

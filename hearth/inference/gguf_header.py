@@ -208,8 +208,9 @@ def _tensor_name(cursor: _Cursor, index: int, file_name: str) -> str:
 def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHeader:
     """The header of the local GGUF at `path` (its tensors checked only with `check_tensors`, parse_gguf_header: a
     part of a GGUF may hold none), reading only as many of its leading bytes as the header takes (at most
-    MAX_GGUF_HEADER_BYTES); CheckpointError (one line) when the file is empty, or truncated: cut inside its header, or
-    shorter than its tensor infos say its tensors need."""
+    MAX_GGUF_HEADER_BYTES); CheckpointError (one line) when the file is empty, its header states more bytes than that
+    bound, it is truncated (cut inside its header, or shorter than its tensor infos say its tensors need), or a text
+    tensor's block type id is one GGML does not define."""
     file_size = path.stat().st_size
     if not file_size:
         raise CheckpointError(f"{path.name} is empty (0 bytes): not a GGUF file")
@@ -218,23 +219,34 @@ def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHe
         with path.open("rb") as handle:
             buffer = handle.read(wanted)
         try:
-            return parse_gguf_header(buffer, file_size, path.name, check_tensors=check_tensors)
+            header = parse_gguf_header(buffer, file_size, path.name, check_tensors=check_tensors)
         except HeaderIncomplete as incomplete:
+            # Past the bound first: a length no header has (2^62) is corruption, which re-downloading will not mend.
+            if incomplete.needed > MAX_GGUF_HEADER_BYTES:
+                raise CheckpointError(f"{path.name}'s header is longer than {MAX_GGUF_HEADER_BYTES} bytes (it states "
+                                      f"at least {incomplete.needed}), hearth's bound on a GGUF header: corrupt, or "
+                                      "not a GGUF hearth reads") from None
             if incomplete.needed > file_size:
                 raise truncated_refusal(path.name, f"its header needs at least {incomplete.needed} bytes",
                                         file_size) from None
-            if incomplete.needed > MAX_GGUF_HEADER_BYTES:
-                raise CheckpointError(f"{path.name}'s header is longer than {MAX_GGUF_HEADER_BYTES} bytes, "
-                                      "hearth's bound on a GGUF header: not a GGUF hearth reads") from None
             wanted = min(file_size, MAX_GGUF_HEADER_BYTES, max(incomplete.needed, 2 * wanted))
+            continue
+        # A text tensor of a type id no GGML version defines, refused by its name: the gguf package's reader and
+        # transformers', which every local file meets next, fail on it in words that name neither.
+        from gguf import GGMLQuantizationType
+
+        check_block_types(((tensor.name, tensor.block_type) for tensor in header.split.tensors
+                           if tensor.block_type not in GGMLQuantizationType.__members__), path.name)
+        return header
 
 
 def checked_gguf_header(path: Path) -> ParsedGGUFHeader:
     """`path`'s header read by hearth's bounded parser, before the gguf package's reader or transformers' see the
     file (they trust what it declares: a metadata array of 2^62 items, or nested thousands deep, runs them out of
     memory or stack); CheckpointError (one line) when it is truncated, corrupt (tensor bytes overlapping, misaligned
-    or not filling what their infos state: check_data_layout), of an architecture hearth does not serve, or declares
-    a layer count no model has, or one its tensors contradict. Parsed once per file version."""
+    or not filling what their infos state: check_data_layout; a block type id GGML does not define), of an
+    architecture hearth does not serve, or declares a layer count no model has, or one its tensors contradict. Parsed
+    once per file version."""
     return _checked_header(str(path.resolve()), file_version(path.stat()))
 
 
@@ -243,7 +255,7 @@ def _checked_header(path_text: str, version: FileVersion) -> ParsedGGUFHeader:
     path = Path(path_text)
     # Tensors' block types are checked where a range is read: a file may hold only metadata (a hub download's, sized
     # from it), or a block type hearth does not read in layers it is not asked for. Their bytes' layout is checked
-    # by the parser, for every tensor.
+    # by the parser, for every tensor, and a type id no GGML version defines by read_gguf_header.
     header = read_gguf_header(path, check_tensors=False)
     architecture = header.architecture
     refusal = unsupported_architecture(architecture, path.name)

@@ -30,6 +30,7 @@ from hearth.services.cli_options import (
     ConfigOption,
     CredsOption,
     InsecureOption,
+    FINITE_FLOAT_METAVAR,
     finite_between,
     LogLevelOption,
     MetricsHostOption,
@@ -291,7 +292,7 @@ def chat_command(
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = \
         default_max_tokens,
     temperature: Annotated[Optional[finite_between(0.0, max_temperature)], typer.Option(
-        "--temperature", help="0 = greedy.")] = 0.0,
+        "--temperature", metavar=FINITE_FLOAT_METAVAR, help="0 = greedy.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option("--seed", min=0, max=seed_limit - 1,
                                                 help="Makes sampling reproducible.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send PROMPT as raw text, no chat template.")] = False,

@@ -23,6 +23,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 CONFIG_ENV = "HEARTH_CONFIG"
+# What --help shows as a finite_between option's type (typer shows its pydantic annotation's repr otherwise).
+FINITE_FLOAT_METAVAR = "<float>"
+
 
 def checked_nats_url_option(value: str | None) -> str | None:
     """--nats / $HEARTH_NATS_URL as nats-py can connect to it (services.common.nats_urls), else a usage error."""
@@ -322,7 +325,7 @@ def finite_between(minimum: float, maximum: float) -> Any:
     """The type of a float option taking a finite number from `minimum` to `maximum`: NaN and infinity are refused
     as "Input should be a finite number" (with typer's min/max, NaN, which compares false, was refused as past a
     bound it is not: `--memory-budget-mb nan` "should be less than or equal to 1e12"). Used as Optional[...]: typer
-    drops the bounds of an Annotated type given bare."""
+    drops the bounds of an Annotated type given bare; its option takes metavar=FINITE_FLOAT_METAVAR."""
     from pydantic import Field
 
     return Annotated[float, Field(allow_inf_nan=False, ge=minimum, le=maximum)]

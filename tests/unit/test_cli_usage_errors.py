@@ -65,3 +65,20 @@ def test_a_usage_error_is_one_line_naming_the_command(application, argv, command
 def test_a_command_given_no_arguments_shows_its_help(argv):
     result = CliRunner().invoke(app, argv, prog_name="hearth")
     assert "Usage: hearth" in result.output and "Commands:" in result.output, result.output
+
+
+def _command_paths(command, path=()):
+    yield path
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _command_paths(sub, (*path, name))
+
+
+def test_every_commands_help_names_its_options_types_plainly():
+    # Before, a finite-float option (`hearth host --memory-budget-mb`, `hearth chat --temperature`) showed its type
+    # as the repr of its pydantic annotation: `<typing.Annotated[float, FieldInfo(...)]>`.
+    import typer
+
+    for path in _command_paths(typer.main.get_command(app)):
+        result = CliRunner().invoke(app, [*path, "--help"], prog_name="hearth", terminal_width=200)
+        assert result.exit_code == 0, result.output
+        assert "typing." not in result.output and "FieldInfo" not in result.output, (path, result.output)

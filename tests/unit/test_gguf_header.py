@@ -92,8 +92,13 @@ def test_a_local_header_longer_than_the_bound_is_refused_without_reading_the_fil
     path.write_bytes(long_string + bytes(2 << 20))
     with pytest.raises(CheckpointError, match="header is longer than 4096 bytes"):
         read_gguf_header(path)
+    # A string of 2^62 bytes is corruption, not a cut: before, "truncated ... (re-download it)".
     path.write_bytes(_header_with_one_value(struct.pack("<IQ", 8, 1 << 62)) + bytes(8192))
-    cut_short = r"long.gguf is truncated: its header needs at least \d+ bytes, the file holds 8245 \(re-download it\)$"
+    with pytest.raises(CheckpointError, match=r"header is longer than 4096 bytes \(it states at least \d+\), "
+                                              r"hearth's bound on a GGUF header: corrupt"):
+        read_gguf_header(path)
+    path.write_bytes(_header_with_one_value(struct.pack("<IQ", 8, 3000)) + bytes(2000))  # a string cut short
+    cut_short = r"long.gguf is truncated: its header needs at least 3053 bytes, the file holds 2053 \(re-download it\)$"
     with pytest.raises(CheckpointError, match=cut_short):
         read_gguf_header(path)
     with pytest.raises(CheckpointError, match="unknown type 99"):

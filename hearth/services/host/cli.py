@@ -12,6 +12,7 @@ from hearth.services.cli_options import (
     ReadyFileOption,
     CredsOption,
     InsecureOption,
+    FINITE_FLOAT_METAVAR,
     finite_between,
     NatsUrlOption,
     WaitForNatsOption,
@@ -45,7 +46,7 @@ def host_command(
                                                        "Ollama pulled here), hub model id or store:NAME (the "
                                                        "community's store: only the layers served are fetched).")],
     memory_budget_mb: Annotated[Optional[finite_between(0.001, MAX_MEMORY_BUDGET_MB)], typer.Option(
-        "--memory-budget-mb", show_default=False,
+        "--memory-budget-mb", show_default=False, metavar=FINITE_FLOAT_METAVAR,
         help="Memory this host gives the mesh on its device: weights plus [shard] kv_cache_budget_mb, which left "
              "at its default takes at most a quarter of this (default: [shard] max_memory_mb; at most what the "
              "device has free at start).")] = None,

@@ -29,7 +29,6 @@ from hearth.events.models import ShardWithdrawn
 from hearth.inference import InferenceError
 from hearth.inference.cache_ranges import release_range
 from hearth.inference.devices import device_memory_available_bytes
-from hearth.inference.checkpoint import is_local_model
 from hearth.inference.memory import MiB, shown_mb
 from hearth.readmodels.catch_up import read_model_caught_up
 from hearth.readmodels.queries import coverage_text
@@ -50,6 +49,7 @@ from hearth.services.host.planner import LayerRange, choose_range, choose_range_
 from hearth.services.shard.main import (
     ShardInputRefused,
     ShardRefused,
+    unreadable_model,
     configure_torch_threads,
     default_node_id,
     load_shard,
@@ -163,10 +163,8 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     except Stopped:
         raise
     except (InferenceError, WeightsStoreError, ValueError, KeyError, OSError) as error:
-        # A model of this machine's (a folder, a GGUF, an Ollama model) that cannot be read is the caller's input (exit
-        # 2); a hub or store model may be unreadable for now (the network, the broker).
-        refused = ShardRefused if isinstance(error, OSError) or not is_local_model(model) else ShardInputRefused
-        raise refused(f"cannot plan a range of {model}: {(str(error).splitlines() or [repr(error)])[0]}") from None
+        line = f"cannot plan a range of {model}: {(str(error).splitlines() or [repr(error)])[0]}"
+        raise unreadable_model(model, line, error) from None
     except Exception as error:  # the broker's refusals and timeouts while reading the store's manifest
         raise ShardRefused(f"cannot read {model} from the store: {type(error).__name__}: {error}") from None
     total_layers, layer_bytes, served_id = layout.total_layers, layout.layer_bytes, layout.served_id

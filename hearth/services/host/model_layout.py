@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from hearth.inference import read_config_dict, resolve_model_path, weights_sha256
-from hearth.inference.checkpoint import looks_like_local_path, default_model_id
+from hearth.inference.checkpoint import default_model_id, is_local_model
 from hearth.inference.errors import CheckpointError
 from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.formats.gguf_support import is_gguf_file
@@ -81,8 +81,7 @@ def _each_layers_bytes(model: str, total: int, per_layer: dict[int, int]) -> lis
 def _local_checkpoint(model: str) -> Path | None:
     """The folder or GGUF file of `model` on this disk (a hub id: its complete snapshot, or its GGUF in the hub
     cache), None for a hub id to read from the hub."""
-    as_path = Path(model).expanduser()
-    if as_path.exists() or looks_like_local_path(model):
+    if is_local_model(model):  # a link leading nowhere too: this machine's, not a hub id
         return resolve_model_path(model)  # CheckpointError for a path that is not a checkpoint
     return complete_hub_snapshot(model, None, None) or hub_cache_gguf(model, None, None)
 

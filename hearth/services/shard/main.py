@@ -17,6 +17,7 @@ from hearth.events.models import default_hop_weight
 from hearth.events.streams import SHARDS_STREAM
 from hearth.protocol.subjects import shard_control_subject, shard_id_for
 from hearth.inference import InferenceError, LayerRangeRunner, load_layer_range, weights_sha256
+from hearth.inference.checkpoint import is_local_model
 from hearth.inference.compute_thread import StepThreads, on_compute_thread
 from hearth.inference.ollama_models import served_model_id
 from hearth.inference.devices import describe_device, device_memory_allocated_bytes, resolve_placement
@@ -56,7 +57,14 @@ class ShardRefused(CommandRefused):
 
 class ShardInputRefused(ShardRefused, CommandInputRefused):
     """What the shard was given cannot be used here, found before anything starts (a device this machine has not, a
-    scheme it has no kernel for): exit code 2."""
+    scheme it has no kernel for, a model file of this machine's that is damaged): exit code 2."""
+
+
+def unreadable_model(model: str, line: str, error: BaseException) -> ShardRefused:
+    """The refusal `line` of `model`, which could not be read: the caller's input (exit 2) for a model of this
+    machine's (a folder, a GGUF, an Ollama model: damaged, cut short, or no model); exit 1 for a hub or store model,
+    which may be unreadable for now (the network, the broker), and for a file the system cannot read (OSError)."""
+    return (ShardRefused if isinstance(error, OSError) or not is_local_model(model) else ShardInputRefused)(line)
 
 
 def with_overrides(settings: HearthSettings, *, max_streams: int | None, heartbeat_s: float | None,
@@ -139,7 +147,7 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
         estimate = await asyncio.to_thread(estimated_need, model_path, lo, hi, compute_dtype, shard, scheme,
                                            compute_device)
     except (InferenceError, ValueError, OSError) as error:
-        raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
+        raise unreadable_model(model, f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}", error) from None
     if (reason := refusal(lo, hi, estimate, shard, measured=False)) is not None:
         raise ShardRefused(reason)
     allocated_before = device_memory_allocated_bytes(compute_device)
@@ -150,8 +158,10 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
             session_ttl_s=shard.eviction_idle_s, prefix_ttl_s=shard.prefix_cache_idle_s or None,
             static_cache_tokens=shard.cuda_graph_max_tokens if compute_device.type == "cuda" else None,
             cpu_linear_kernel=shard.cpu_linear_kernel, quantization=scheme), stop_event)
-    except (InferenceError, ValueError, torch.OutOfMemoryError) as error:  # the device had less room than it said
+    except torch.OutOfMemoryError as error:  # the device had less room than it said
         raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
+    except (InferenceError, ValueError) as error:
+        raise unreadable_model(model, f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}", error) from None
     need = measured_need(runner, allocated_before)
     if (reason := refusal(lo, hi, need, shard, measured=True) or static_cache_refusal(runner, shard)) is not None:
         runner.close()
@@ -181,7 +191,7 @@ async def fetch_model(model: str, needed: tuple[int, int], *, nats_url: str | No
     except Stopped:
         raise
     except (InferenceError, WeightsStoreError, ValueError, OSError) as error:
-        raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
+        raise unreadable_model(model, f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}", error) from None
     except Exception as error:  # the broker's refusals and timeouts while fetching from the store
         raise ShardRefused(f"cannot fetch layers {lo}-{hi} of {model}: {type(error).__name__}: "
                            f"{_first_line(error)}") from None
