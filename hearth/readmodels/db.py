@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sqlite3
 from collections.abc import Iterator
 from importlib import resources
@@ -229,6 +230,28 @@ def vacuum_database(engine: Engine) -> None:
             raise
         # Every page went through the WAL, which would otherwise keep the file's size on disk beside it.
         connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def backup_database(engine: Engine, copy: Path) -> None:
+    """Write a consistent copy of the file to `copy` while projectors keep writing it: one read transaction
+    (`VACUUM INTO`), so it holds every committed batch, those still in the WAL included, and no half of one, which a
+    file copy of a live read model does not promise. Written beside `copy` and renamed into place once whole and
+    synced: a backup stopped midway leaves no file there."""
+    partial = copy.with_name(f".{copy.name}.partial")
+    partial.unlink(missing_ok=True)
+    try:
+        with _autocommit(engine) as connection:
+            try:
+                connection.exec_driver_sql("VACUUM INTO ?", (str(partial),))
+            except DatabaseError as error:
+                if (damaged := damaged_file(engine.url.database, error)) is not None:
+                    raise damaged from None
+                raise
+        with partial.open("rb") as written:
+            os.fsync(written.fileno())
+        os.replace(partial, copy)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def release_free_pages(session: Session, max_pages: int) -> int:

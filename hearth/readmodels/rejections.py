@@ -16,6 +16,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# What an operator most often has to do about a reason, where the reason alone leaves it a guess.
+LIKELY_CAUSE: dict[RejectionReason, str] = {
+    "unknown_signer": " (a key this process's roster does not name: a member added, or a key rotated, since this "
+                      "machine got its roster.json? hand it the steward's current one; no restart needed)",
+}
+
 
 def record_rejection(message: StoredEvent, reason: RejectionReason, rows: BatchRows, *, projection: str,
                      samples_per_minute: int | None) -> None:
@@ -30,8 +36,9 @@ def record_rejection(message: StoredEvent, reason: RejectionReason, rows: BatchR
     if samples_per_minute is not None and counted["events"] > samples_per_minute:
         return
     # Logged only as it is kept: a flood logs no more lines than it leaves rows.
-    log.warning("%s: rejected %s #%d %s %s from node %s (signer %s): %s", projection, message.stream,
-                message.seq, event.type, event.event_id, event.node_id, event.signer or "none", reason)
+    log.warning("%s: rejected %s #%d %s %s from node %s (signer %s): %s%s", projection, message.stream,
+                message.seq, event.type, event.event_id, event.node_id, event.signer or "none", reason,
+                LIKELY_CAUSE.get(reason, ""))
     rows.put(REJECTED_EVENTS, (message.stream, message.seq), dict(
         stream=message.stream,
         stream_seq=message.seq,

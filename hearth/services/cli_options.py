@@ -312,7 +312,11 @@ def node_id_for(command: str, identity, node_id: str | None, role: str) -> str |
                    "roster.json beside the key's keys/ folder, or set [nats] roster_file", err=True)
         raise typer.Exit(EXIT_REFUSED)
     if identity.member.role != role:
-        typer.echo(f"{command}: the key belongs to {identity.name}, a {identity.member.role}, not a {role}", err=True)
+        held = identity.member.role
+        article = "an" if held[0] in "aeiou" else "a"
+        typer.echo(f"{command}: the key belongs to {identity.name}, {article} {held}, not a {role}: a {role} logs in "
+                   f"with a {role} member's key (the steward adds one: hearth community add --name NAME --role "
+                   f"{role})", err=True)
         raise typer.Exit(EXIT_REFUSED)
     if node_id is not None and node_id != identity.name:
         typer.echo(f"{command}: --node-id {node_id} differs from the member name {identity.name}; a host's node id "

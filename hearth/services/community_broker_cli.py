@@ -54,8 +54,12 @@ def tls_command(
         fail(f"--host: {error}")
     except OSError as error:
         fail(f"cannot write {directory / 'tls'}: {error.strerror}")
-    typer.echo(f"wrote {files.ca_file}, {files.server_cert_file} (for {', '.join(host)}) and {files.client_cert_file};"
-               f" valid {tls_validity_days} days")
+    typer.echo(f"wrote {files.ca_file}, the broker's {files.server_cert_file} and {files.server_key_file} (for "
+               f"{', '.join(host)}; hearth nats --tls-cert, --tls-key, --tls-ca) and the members' "
+               f"{files.client_cert_file} and {files.client_key_file}; valid {tls_validity_days} days. Copy "
+               f"{files.ca_file.name}, {files.client_cert_file.name} and {files.client_key_file.name} to every "
+               "member's machine and set [nats] tls_ca_file, tls_cert_file and tls_key_file to them (never the "
+               "server's key)")
 
 
 def nats_config_command(

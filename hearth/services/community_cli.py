@@ -25,6 +25,8 @@ from hearth.services.community_cli_options import (
 )
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from hearth.services.community_removal import PublishedRemoval
     from hearth.trust.roster import Member, RemovalCut
 
@@ -84,7 +86,8 @@ def add_command(
         fail(f"cannot write the roster or the key in {directory}: {error.strerror}; nothing was added")
     member = added.member
     where = f"; its key: {added.seed_file} (give it to {name}, then delete it here)" if added.seed_file else ""
-    typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}")
+    typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}. "
+               f"{_hand_out_the_roster(directory, member.name)}")
 
 
 @community_app.command("keygen")
@@ -214,9 +217,15 @@ def rotate_key_command(
     steward = rotated.member.role == "system"
     handed = "keep it with the broker; never share it" if steward else f"give it to {name}, then delete it here"
     seed = f"; its new seed: {rotated.seed_file} ({handed})" if rotated.seed_file else ""
-    deleted = f"; the old key's seed at {rotated.old_seed_deleted} is deleted" if rotated.old_seed_deleted else ""
+    if rotated.old_seed_deleted is None:
+        deleted = ""
+    elif rotated.old_seed_deleted == rotated.seed_file:  # one path: "the old seed at <it> is deleted" read as the new
+        deleted = "; it replaced the old key's seed there"
+    else:
+        deleted = f"; the old key's seed at {rotated.old_seed_deleted} is deleted"
+    handed_out = "" if steward else f" {_hand_out_the_roster(directory, name)}"
     typer.echo(f"rotated the key of {name}: retired {rotated.retired.public_key} (at {where}), now "
-               f"{rotated.member.public_key}{seed}{deleted}. {BROKER_APPLIES_IT}")
+               f"{rotated.member.public_key}{seed}{deleted}. {BROKER_APPLIES_IT}{handed_out}")
     _warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is")
     if steward:
         typer.echo(f"The steward's key changed: copy {rotated.seed_file} and {directory / 'roster.json'} to every "
@@ -318,6 +327,13 @@ def clear_quarantine_command(
 
 
 # What the roster's change needs on the broker, said after a removal or a key's rotation.
+def _hand_out_the_roster(directory: Path, name: str) -> str:
+    """What the steward does next after a member's key changed: every other machine checks signatures against its
+    own roster copy, which names the new key only once it is handed over."""
+    return (f"Then hand the new roster.json ({directory / 'roster.json'}) to every member's machine: until its copy "
+            f"names {name}'s new key, processes there reject that key's events, calls and opens (unknown_signer).")
+
+
 BROKER_APPLIES_IT = ("A broker run by `hearth nats --community` applies it at once; any other: render "
                      "`hearth community nats-config` and reload it.")
 

@@ -1,5 +1,5 @@
-"""`hearth db`: creates or migrates a read-model SQLite file (`upgrade`) and rewrites it without its free pages
-(`vacuum`)."""
+"""`hearth db`: creates or migrates a read-model SQLite file (`upgrade`), rewrites it without its free pages
+(`vacuum`) and copies it while it is written (`backup`)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,36 @@ def db_vacuum_command(
     finally:
         engine.dispose()
     typer.echo(f"{db}: vacuumed, {before:,} bytes before, {_bytes_on_disk(db):,} now (with its WAL)")
+
+
+@db_app.command("backup")
+def db_backup_command(
+    db: Annotated[Path, typer.Option("--db", help="SQLite read-model file to copy (a projector may keep writing it).")],
+    out: Annotated[Path, typer.Option("--out", help="The copy to write; refused when it exists.")],
+) -> None:
+    """Copy a read-model database consistently while a projector writes it (VACUUM INTO: every committed batch, those
+    still in its WAL too, which copying the file alone misses). Restore: stop the projector, put the copy in the
+    file's place (no -wal or -shm file of the old one beside it) and start it: it goes on from the copy's positions."""
+    from sqlalchemy.exc import OperationalError
+
+    from hearth.readmodels.db import ReadModelUnusable, backup_database, open_engine
+
+    if not db.is_file():
+        _refuse("backup", f"{db}: no such read-model file", EXIT_BAD_INPUT)
+    if out.exists() or out.is_symlink():
+        _refuse("backup", f"{out} exists: name a new file (a backup never replaces one)", EXIT_BAD_INPUT)
+    if not out.parent.is_dir():
+        _refuse("backup", f"{out}: {out.parent} is not a folder", EXIT_BAD_INPUT)
+    engine = open_engine(db)
+    try:
+        backup_database(engine, out)
+    except OperationalError as error:
+        _refuse("backup", f"{db}: not copied to {out}: {error.orig}", EXIT_REFUSED)
+    except ReadModelUnusable as error:
+        _refuse("backup", str(error), EXIT_REFUSED)
+    finally:
+        engine.dispose()
+    typer.echo(f"{db}: copied to {out} ({out.stat().st_size:,} bytes)")
 
 
 def _refuse(command: str, why: str, code: int) -> NoReturn:

@@ -71,3 +71,19 @@ def test_hearth_replay_says_so_in_one_line(lone_key, tmp_path, monkeypatch):
         assert result.exit_code == 1, result.output
         assert result.exception is None or isinstance(result.exception, SystemExit)
         assert "no community roster for the key" in result.output
+
+
+@pytest.mark.parametrize(("holder", "role", "wanted"), [("audit", "auditor", "projector"),
+                                                         ("alice", "client", "shard")])
+def test_a_key_of_another_role_is_refused_saying_which_member_the_process_needs(tmp_path, capsys, holder, role,
+                                                                                wanted):
+    """An operator following the README's community setup starts `hearth projector --creds` with some member's key:
+    the refusal names the role it needs and the command that adds such a member, in readable words."""
+    community = Community.init(tmp_path / "community", "roles")
+    identity = load_identity(community.add(holder, role).seed_file)
+    with pytest.raises(typer.Exit):
+        node_id_for(f"hearth {wanted}", identity, None, wanted)
+    said = capsys.readouterr().err
+    article = "an" if role[0] in "aeiou" else "a"
+    assert f"the key belongs to {holder}, {article} {role}, not a {wanted}" in said
+    assert f"hearth community add --name NAME --role {wanted}" in said

@@ -101,3 +101,15 @@ def test_a_removal_whose_roster_write_fails_says_to_run_it_again(community, monk
                         "No space left on device", "run it again")
     assert community.roster().by_name("kitchen-pc") is not None
 
+
+
+def test_tls_names_every_file_it_wrote_and_which_ones_go_where(community):
+    """Walking the docs: the summary named three of the five files, not the keys the broker's --tls-key and members'
+    [nats] tls_key_file take, nor which files a member's machine needs."""
+    made = CliRunner().invoke(community_app, ["tls", "--host", "127.0.0.1", "--dir", str(community.directory)])
+    assert made.exit_code == 0, made.output
+    said = " ".join(made.output.split())
+    tls = community.directory / "tls"
+    for name in ("ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem"):
+        assert str(tls / name) in said
+    assert "tls_ca_file" in said and "tls_cert_file" in said and "tls_key_file" in said

@@ -70,7 +70,10 @@ def test_rotate_key_offline_writes_a_new_private_seed_retires_the_old_key_and_de
     assert (attic.role, attic.trust, attic.added_at) == (old.role, old.trust, old.added_at)
     assert [retired.public_key for retired in attic.retired_keys] == [old.public_key]
     assert f"its new seed: {old_seed}" in result.output
-    assert f"the old key's seed at {old_seed} is deleted" in result.output
+    # The new seed took the old one's path: "the old key's seed at <that path> is deleted" read as the new one gone.
+    assert "it replaced the old key's seed there" in result.output and "is deleted" not in result.output
+    # Other machines' roster copies must name the new key, or they reject it (`unknown_signer`), as a walk found.
+    assert "hand the new roster.json (" in " ".join(result.output.split())
     assert "no rotation event published (--offline)" in result.output
     assert list((community.directory / "keys").glob("attic.nk.*")) == []  # nothing left beside it
     authorization = render_authorization(roster)
@@ -291,3 +294,11 @@ def test_list_shows_each_retired_key_with_its_member_time_and_place(community):
 
 def test_a_roster_without_rotations_lists_no_retired_rows(community):
     assert not any(" retired " in line for line in listed(community))
+
+
+def test_add_says_to_hand_the_roster_out(community):
+    """A machine whose roster copy lacks the new member rejects its events, calls and opens (`unknown_signer`)."""
+    result = run("add", "--name", "bob", "--role", "shard", "--dir", str(community.directory))
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "to every member's machine" in said and "hand the new roster.json (" in said and "unknown_signer" in said
