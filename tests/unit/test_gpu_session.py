@@ -146,13 +146,15 @@ def test_a_dry_runs_appended_options_override_the_stages_own():
 
 
 def fetched_wheels() -> set[str]:
-    """The requirements the header's `fetch-wheels.sh` line names (its options left out)."""
+    """The requirements the header's fetching lines name (`pip wheel` and `fetch-wheels.sh`, options left out)."""
     header = "\n".join(line.removeprefix("#") for line in SCRIPT.read_text(encoding="utf-8").splitlines()
                        if line.startswith("#"))
-    [line] = re.findall(r"bash \.\./shared/gpu/fetch-wheels\.sh ((?:.*\\\n)*.*)", header)
-    words = shlex.split(line.replace("\\\n", " "))
+    lines = re.findall(r"(?:bash \.\./shared/gpu/fetch-wheels\.sh|python3 -m pip wheel) ((?:.*\\\n)*.*)", header)
+    assert len(lines) == 2, lines
+    words = shlex.split(" ".join(line.replace("\\\n", " ") for line in lines))
+    option_values = {index + 1 for index, word in enumerate(words) if word in {"--platform", "-w"}}
     return {word.replace(" ", "") for index, word in enumerate(words)
-            if not word.startswith("--") and not words[index - 1].startswith("--")}
+            if not word.startswith("-") and index not in option_values}
 
 
 def distribution(requirement: str) -> str:
