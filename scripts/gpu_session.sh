@@ -84,9 +84,12 @@ dtype=bf16
 big=llama3-8b
 mid=tinyllama-1.1b
 big_kv_mb=2048  # the 8B's 8 sessions' static caches on one shard (the llama3-8b stage says why)
-few=()  # a dry run's bench rounds and tokens: appended, they override a stage's own (click keeps an option's last)
+# A dry run's fewer rounds and tokens: appended to a command, they override its own (click and argparse keep an
+# option's last value).
+few=(); few_turns=(); few_tolerance=()
 if [ -n "$dry" ]; then
   device=cpu; dtype=fp32; big=tiny; mid=tiny; few=(--repeats 1 --new-tokens 8)
+  few_turns=(--turns 2 --repeats 1); few_tolerance=(--model random:tiny --layers 0-1 --rounds 1 --decode-steps 4)
 fi
 exec 3>&1  # what HEARTH_GPU_PRINT prints goes to the script's stdout, past a command's own redirections
 
@@ -220,13 +223,14 @@ case "$stage" in
     echo "== prefix: scripts/bench_conversation.py conversation --model random:$conv_model" | tee -a "$out/stages.txt"
     run "$python" scripts/bench_conversation.py conversation --model "random:$conv_model" --device "$device" \
       --dtype "$dtype" --turns 10 --repeats 2 --modes completions --json "$out/conversation.json" \
-      > "$out/conversation.txt" 2>&1
+      ${few_turns[@]+"${few_turns[@]}"} > "$out/conversation.txt" 2>&1
     echo "exit $?" | tee -a "$out/stages.txt"
     show 30 "$out/conversation.txt"
     ;;
   tolerance)
     echo "== tolerance: scripts/measure_honest_tolerance.py --device $device" | tee -a "$out/stages.txt"
-    run "$python" scripts/measure_honest_tolerance.py --device "$device" > "$out/tolerance.txt" 2>&1
+    run "$python" scripts/measure_honest_tolerance.py --device "$device" ${few_tolerance[@]+"${few_tolerance[@]}"} \
+      > "$out/tolerance.txt" 2>&1
     echo "exit $?" | tee -a "$out/stages.txt"
     show 20 "$out/tolerance.txt"
     ;;
