@@ -92,8 +92,23 @@ def test_status_piped_writes_every_name_whole(tmp_path, capsys):
     path = tmp_path / "readmodel.sqlite"
     engine = migrated_engine(path)
     shard = advertised(0, 7, node, total=8)
-    apply_all(engine, [LogBuilder().stored(event) for event in (shard, heartbeat(shard.shard_id, node=node))])
+    log = LogBuilder()
+    apply_all(engine, [log.stored(event) for event in (shard, heartbeat(shard.shard_id, node=node))])
     engine.dispose()
     assert run_status_command(path, now_s=int(shard.occurred_at.timestamp()) + 5) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if node in line]
     assert len(rows) == 1 and "live" in rows[0] and "tiny/llama-test" in rows[0], rows
+
+
+def test_status_rounds_figures_to_one_decimal(tmp_path, capsys):
+    """A step time the read model holds as 9.69014 ms reads 9.7 on the status screen, not six digits."""
+    path = tmp_path / "readmodel.sqlite"
+    engine = migrated_engine(path)
+    shard = advertised(0, 7, "attic", total=8)
+    beat = heartbeat(shard.shard_id, node="attic").model_copy(update={"p95_latency_ms": 9.69014})
+    log = LogBuilder()
+    apply_all(engine, [log.stored(event) for event in (shard, beat)])
+    engine.dispose()
+    assert run_status_command(path, now_s=int(shard.occurred_at.timestamp()) + 5) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "attic" in line and "live" in line)
+    assert "9.7" in row.split() and "9.69014" not in row, row
