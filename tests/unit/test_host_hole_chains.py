@@ -228,3 +228,36 @@ async def test_hosts_watching_for_holes_close_one_by_a_chain_of_moves(six):
     await run_for(30.0, *(host(node) for node in budgets), until=closed)
     assert closed(), moves
     assert moves == ["c: 3-4 -> 2-3", "b: 1-2 -> 0-1"]
+
+
+async def test_a_hole_no_move_reaches_is_named_once_with_the_hosts_around_it(six, caplog):
+    """Layers of unequal sizes: a host of 150 bytes (only 100-byte layers fit it) on 2-2 and one of 850 on 1-5, layer
+    0 held by nobody. 2-2 could move to 5-5 so that 1-5 may drop layer 5 and take 0-4, but no rule of the planner
+    makes a move that neither fills nor nears the hole: both stay (the planner's moves stop short of this cover),
+    and each says once, after `move_wait_max_s`, which layers are missing and which ranges the hosts hold."""
+    from hearth.services.host.main import wait_for_hole
+
+    layer_bytes = [200, 300, 100, 100, 100, 100]
+    settings = host_settings(rebalance_hold_s=0.0, rebalance_check_interval_s=0.01, move_wait_max_s=0.05)
+    held = {"a": (LayerRange(2, 2), six.add(2, 2, "a"), 150), "b": (LayerRange(1, 5), six.add(1, 5, "b"), 850)}
+    moved: list[LayerRange] = []
+
+    async def host(node: str) -> None:
+        current, shard_id, host_budget = held[node]
+        moved.append(await wait_for_hole(six.coverage(), current, shard_id, layer_bytes, host_budget, settings))
+
+    def said() -> list[str]:
+        return [record.getMessage() for record in caplog.records if "has a hole" in record.getMessage()]
+
+    checks_after = [0]
+
+    def said_and_checked_on() -> bool:  # both said it, then went on checking (5 more looks, at least)
+        checks_after[0] += len(said()) >= 2
+        return checks_after[0] > 5
+
+    with caplog.at_level("WARNING", logger="hearth.services.host.coverage"):
+        await run_for(10.0, host("a"), host("b"), until=said_and_checked_on)
+    assert moved == []
+    assert len(said()) == 2, said()
+    for line in said():
+        assert "0 MISSING" in line and "a 2-2" in line and "b 1-5" in line
