@@ -96,6 +96,12 @@ class CoverageReader:
         return {scheme: replicas_per_layer(shards, total_layers=self.total_layers, weights_sha256=self.weights_sha256,
                                            alive=alive, quantization=scheme) for scheme in schemes}
 
+    async def live_ranges(self) -> list[str]:
+        """`node lo-hi` of each live shard counted in replicas(), for an operator to read."""
+        shards, alive = await self._live_shards()
+        return sorted({f"{shard.node_id} {shard.layer_lo}-{shard.layer_hi}" for shard in shards
+                       if self._counted(shard, alive)})
+
     def _counted(self, shard: ShardCandidate, alive: Callable[[ShardCandidate], bool]) -> bool:
         return (shard.weights_sha256 == self.weights_sha256 and shard.quantization == self.quantization
                 and alive(shard))
@@ -107,6 +113,37 @@ class CoverageReader:
         shards = await asyncio.to_thread(self.router.candidates, self.model_id)
         now = self.router.now()
         return shards, lambda shard: self.router.alive(shard, now)
+
+
+class HoleWithoutMove:
+    """Says once per hole (the layers no live replica holds) that it has lasted `after_s` with no move of the host
+    serving `current` as `shard_id` into it or toward it, naming the hole and the hosts' live ranges: the operator's
+    cue where the moves stop short of a cover (layers of unequal sizes, whose cover may need two hosts to trade
+    places, which no move made one at a time without dropping a last replica reaches)."""
+
+    def __init__(self, coverage: CoverageReader, shard_id: str, current: LayerRange, after_s: float) -> None:
+        self.coverage, self.shard_id, self.current, self.after_s = coverage, shard_id, current, after_s
+        self.hole: tuple[int, ...] = ()
+        self.since = 0.0
+        self.said = False
+
+    async def seen(self, replicas_without_me: list[int], now: float) -> None:
+        """Note what a check found (no move for this host) in `replicas_without_me` at `now` (time.monotonic)."""
+        hole = tuple(layer for layer, count in enumerate(replicas_without_me)
+                     if count == 0 and layer not in self.current.layers())
+        if hole != self.hole:
+            self.hole, self.since, self.said = hole, now, False
+        if not hole or self.said or now - self.since < self.after_s:
+            return
+        self.said = True
+        ranges = await self.coverage.live_ranges()
+        mine = [count + (layer in self.current.layers()) for layer, count in enumerate(replicas_without_me)]
+        log.warning("host of %s: coverage of %s has a hole that no move of this host (layers %s) fills or nears, "
+                    "for %.0f s now: "
+                    "%s; live ranges: %s. Its cover may need hosts to trade places, which moves that never drop a "
+                    "layer's last replica cannot reach: start a host whose budget fits the hole, or restart one of "
+                    "these hosts", self.shard_id, self.coverage.model_id, self.current, now - self.since,
+                    coverage_text(enumerate(mine)), "; ".join(ranges) or "none")
 
 
 def coverage_model(folder: Path, js: JetStreamContext, settings: HearthSettings) -> ScratchReadModel:

@@ -40,7 +40,7 @@ from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
 from hearth.services.host.coverage import (
-    MOVED, CoverageReader, coverage_from, coverage_model, earlier_shards_gone, warn_of_other_schemes,
+    MOVED, CoverageReader, HoleWithoutMove, coverage_from, coverage_model, earlier_shards_gone, warn_of_other_schemes,
 )
 from hearth.services.host.last_range import LastRange, last_range_file, remember_range, remembered_range
 from hearth.services.host.model_layout import ModelLayout, model_layout
@@ -122,13 +122,15 @@ async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id:
     hold_s: float | None = None
     seen_since: float | None = None  # the hole, held for hold_s before moving
     hole_since: float | None = None  # the hole, however long other hosts' moves held this one back
+    unfilled = HoleWithoutMove(coverage, shard_id, current, host.move_wait_max_s)
     while True:
         await asyncio.sleep(host.rebalance_check_interval_s * random.uniform(0.5, 1.5))
-        target = next_range(current, await coverage.replicas(leave_out={shard_id, *leave_out}), layer_bytes,
-                            weights_budget)
+        replicas = await coverage.replicas(leave_out={shard_id, *leave_out})
+        target = next_range(current, replicas, layer_bytes, weights_budget)
         now = time.monotonic()
         if target is None:
             seen_since = hole_since = None
+            await unfilled.seen(replicas, now)
             continue
         hole_since = now if hole_since is None else hole_since
         if now - hole_since < host.move_wait_max_s and await coverage.move_under_way(host.move_wait_max_s):
