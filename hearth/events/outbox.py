@@ -330,7 +330,9 @@ class EventOutbox:
                         and await self._stored_already(event)):
                     log.info("event %s %s was stored by an earlier try", event.type, event.event_id)
                     return True
-                await publish_event(self.js, self._signed(event))
+                # After its first failure the event's own WARNING below says it waits: not every attempt.
+                await publish_event(self.js, self._signed(event),
+                                    retry_log_level=logging.DEBUG if failures else logging.WARNING)
                 return False
             except Exception as error:  # publish_event already retried the transient ones; keep the order
                 failures += 1

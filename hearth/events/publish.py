@@ -58,9 +58,12 @@ async def publish_event(
     timeout_s: float = publish_timeout_s,
     max_attempts: int = publish_max_attempts,
     signing_key: MemberKey | None = None,
+    retry_log_level: int = logging.WARNING,
 ) -> PubAck:
     """Publish `event` on its subject (or `subject`) and return the ack; `ack.duplicate` marks a dropped re-publish.
-    With `signing_key` (a community member's) the event goes out signed by it; without, unsigned."""
+    With `signing_key` (a community member's) the event goes out signed by it; without, unsigned. Each retry is
+    logged at `retry_log_level`: a caller that says itself that its events are not stored (a stream that takes none
+    for minutes) passes DEBUG, so its log does not fill with every attempt."""
     if signing_key is not None:
         event = sign_event(event, signing_key)
     target = subject or event_subject(event)
@@ -68,7 +71,8 @@ async def publish_event(
     headers = {MSG_ID_HEADER: event.event_id}
 
     def log_retry(state: RetryCallState) -> None:
-        log.warning(
+        log.log(
+            retry_log_level,
             "publishing %s %s to %s failed (%s); attempt %d of %d in %.2f s",
             event.type, event.event_id, target, state.outcome.exception(),  # type: ignore[attr-defined]
             state.attempt_number + 1, max_attempts, state.next_action.sleep if state.next_action else 0.0,

@@ -71,11 +71,13 @@ STREAMS_CREATED_BY = ("the community's steward creates them: `hearth nats --comm
 
 # JetStream error codes: "stream name already in use with a different configuration", "replicas > 1 not
 # supported in non-clustered mode", "stream configuration update can not change ..." (storage, retention,
-# deny_delete) and "subjects overlap with an existing stream".
+# deny_delete), "subjects overlap with an existing stream" and "insufficient storage resources available" (the
+# server's max_file_store cannot hold what the stream's max_bytes reserves beside the other streams').
 _STREAM_NAME_IN_USE_ERR_CODE = 10058
 _REPLICAS_NEED_A_CLUSTER_ERR_CODE = 10074
 _STREAM_UPDATE_REFUSED_ERR_CODE = 10052
 _SUBJECTS_OVERLAP_ERR_CODE = 10065
+_NO_ROOM_IN_STORE_ERR_CODE = 10047
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,8 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
             raise StreamsIncompatible(
                 f"the event stream {config.name} cannot be created: another stream on the broker already holds its "
                 f"subjects ({', '.join(config.subjects or ())}); remove those subjects from it") from None
+        if error.err_code == _NO_ROOM_IN_STORE_ERR_CODE:
+            raise _no_room_in_store(config) from None
         if error.err_code != _STREAM_NAME_IN_USE_ERR_CODE:
             raise
     # It exists with another configuration (an older hearth, or replicas differ): update it in place.
@@ -191,6 +195,8 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         # Deleted between our add and update: create it.
         await keeping_cancellation(js.add_stream(config))
     except APIError as error:
+        if error.err_code == _NO_ROOM_IN_STORE_ERR_CODE:
+            raise _no_room_in_store(config) from None
         if error.err_code != _STREAM_UPDATE_REFUSED_ERR_CODE:
             raise
         # Made by hand or by other tooling with a setting no update may change: only its owner can decide what to
@@ -199,6 +205,13 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
             f"the event stream {config.name} exists with settings the broker will not change to hearth's "
             f"({error.description}); keep a copy of it if you need one and delete it (`nats stream rm "
             f"{config.name}`), then start again") from None
+
+
+def _no_room_in_store(config: StreamConfig) -> "StreamsIncompatible":
+    return StreamsIncompatible(
+        f"the stream {config.name} cannot be created: the broker's store has no room for the "
+        f"{(config.max_bytes or 0) // MiB} MiB it reserves (`hearth nats` bounds its store to what it holds plus "
+        "3/4 of its disk's free space at start); free space on the broker's disk and restart it (docs/operations.md)")
 
 
 class StreamsMissing(RuntimeError):

@@ -296,12 +296,16 @@ def _stop_on_signals() -> "threading.Event":
 
 def _serve_until_stopped(servers: "EmbeddedNatsServer", stop_requested: "threading.Event",
                          roster_watch: RosterWatch | None, sweeper: "ConsumerSweeper | None") -> None:
+    from hearth.services.broker.store_space import FullStoreWatch
     from hearth.services.common.process_gc import freeze_startup_objects
 
     freeze_startup_objects()  # it serves without an event loop, whose start would do it (process_gc.py)
     exit_code = 0
+    store_watches = [FullStoreWatch(node) for node in getattr(servers, "nodes", [servers])]
     try:
         while not stop_requested.wait(timeout=0.5):
+            for store_watch in store_watches:  # before the liveness check: a restart it makes is no exit
+                store_watch.check()
             # A terminal's Ctrl-C reaches nats-server too; that exit is a requested stop, not a crash.
             if not servers.is_running() and not stop_requested.wait(timeout=0.5):
                 typer.echo(f"{COMMAND}: nats-server exited unexpectedly", err=True)

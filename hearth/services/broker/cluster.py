@@ -98,6 +98,7 @@ class ClusterNodeServer(EmbeddedNatsServer):
             "LISTEN": f"{self.host}:{self.port}",
             "MONITOR": f"{self.monitor_host}:{self.monitor_port}",
             "STORE": str((self.store_dir / "jetstream").resolve()),
+            "MAX_FILE_STORE": self.store_bound,
             "CLUSTER_LISTEN": self.cluster_listen,
             "ROUTE_PASSWORD": self.route_password,
             "ROUTES": route_urls(self.routes, self.route_password),

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from hearth.services.broker.store_lock import StoreFolderInUse, StoreFolderLock
+from hearth.services.broker.store_space import store_bound_bytes, warn_when_streams_do_not_fit
 from hearth.services.common.child_processes import ends_with_this_process
 from hearth.services.common.config_sections import loopback_host
 
@@ -132,10 +133,13 @@ def connection_limits_block(max_connections: int, max_subscriptions: int) -> str
 def render_server_config(*, host: str, port: int, store_dir: Path, max_payload_bytes: int,
                          authorization: str | None = None, tls_block: str | None = None,
                          max_connections: int = default_max_connections,
-                         max_subscriptions: int = default_max_subscriptions_per_connection) -> str:
+                         max_subscriptions: int = default_max_subscriptions_per_connection,
+                         max_file_store_bytes: int | None = None) -> str:
     """The server's configuration; `authorization` is the block `hearth community nats-config` renders,
-    `tls_block` a `tls { ... }` block (hearth/services/broker/tls.py)."""
+    `tls_block` a `tls { ... }` block (hearth/services/broker/tls.py), `max_file_store_bytes` the most its store may
+    take (store_space.py; None: nats-server's default)."""
     # sync_interval "always": every acknowledged event is fsynced before the ack (docs/design.md §2).
+    store_bound = "" if max_file_store_bytes is None else f"  max_file_store: {max_file_store_bytes}\n"
     return (
         f'listen: "{host}:{port}"\n'
         f"max_payload: {max_payload_bytes}\n"
@@ -143,6 +147,7 @@ def render_server_config(*, host: str, port: int, store_dir: Path, max_payload_b
         "jetstream {\n"
         f'  store_dir: "{store_dir}"\n'
         "  sync_interval: always\n"
+        + store_bound +
         "}\n"
         + (tls_block or "")
         + (authorization or "")
@@ -185,6 +190,8 @@ class EmbeddedNatsServer:
         self.start_new_session = start_new_session
         self._process: subprocess.Popen | None = None
         self._log_file = None
+        # The store's `max_file_store`, measured as the configuration is written (store_space.py).
+        self.store_bound: int | None = None
 
     @property
     def url(self) -> str:
@@ -221,6 +228,7 @@ class EmbeddedNatsServer:
                 pass_fds=() if held is None else (held,),
             )
             self._wait_until_accepting(log_path, log_start)
+            warn_when_streams_do_not_fit(self.store_dir, self.store_bound)
         except BaseException:
             self.stop()
             raise
@@ -236,7 +244,8 @@ class EmbeddedNatsServer:
         return render_server_config(
             host=self.host, port=self.port, store_dir=self.store_dir / "jetstream",
             max_payload_bytes=self.max_payload_bytes, authorization=self.authorization, tls_block=self.tls_block,
-            max_connections=self.max_connections, max_subscriptions=self.max_subscriptions)
+            max_connections=self.max_connections, max_subscriptions=self.max_subscriptions,
+            max_file_store_bytes=self.store_bound)
 
     def config_environment(self) -> dict[str, str]:
         """Variables the configuration file reads from the environment (none for a single server)."""
@@ -259,6 +268,8 @@ class EmbeddedNatsServer:
             raise NatsServerError(
                 f"cannot use {self.store_dir} as the store folder: {error.strerror or error}") from None
         try:
+            # Measured at each start (a reload keeps it): the store then never fills its disk by itself.
+            self.store_bound = store_bound_bytes(self.store_dir, self.store_dir / "jetstream")
             return self._write_config()
         except OSError as error:
             self._store_lock.release()

@@ -157,22 +157,29 @@ class ShardServer(HopClosing):
         await publish_event(self.js, advertisement(self.identity, self.settings, self.hop_weight),
                             signing_key=self.signing_key)
 
-    async def heartbeat(self) -> None:
+    async def heartbeat(self, *, retry_log_level: int = logging.WARNING) -> None:
         stats = self.compute.stats
         queue_depth = stats.steps_in_compute + sum(h.receiver.ready_steps for h in self._hops.values())
         await publish_event(self.js, stats.heartbeat(self.identity.node_id, self.identity.shard_id,
                                                      queue_depth=queue_depth, active_streams=self.active_streams),
-                            signing_key=self.signing_key)
+                            signing_key=self.signing_key, retry_log_level=retry_log_level)
 
     async def _heartbeat_loop(self) -> None:
+        missed = 0  # heartbeats not published in a row: one WARNING for the run of them, not one each
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
             if not self._claim.kept:  # it gave way: the id is another process's
                 return
             try:
-                await self.heartbeat()
-            except Exception as error:  # the broker may be restarting; the next beat tries again
-                log.warning("heartbeat not published: %s", error)
+                await self.heartbeat(retry_log_level=logging.DEBUG if missed else logging.WARNING)
+            except Exception as error:  # the broker may be restarting (or its store full); the next beat tries again
+                missed += 1
+                (log.warning if missed == 1 else log.debug)(
+                    "heartbeat not published: %s; the next ones are tried, said again once one is", error)
+                continue
+            if missed:
+                log.info("heartbeat published again after %d missed", missed)
+                missed = 0
 
     async def _advertise_loop(self) -> None:
         # Re-advertise well inside the TTL so the advertisement never expires while we are alive.
