@@ -77,6 +77,21 @@ class StewardKey(Base):
     rotated_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the steward says")
 
 
+class MemberKey(Base):
+    """A member's key as one stream's log names it: a verified `member.key_rotated` of a member other than the steward
+    (signed by a steward key) passes that member's role to its new key there (hearth/events/member_keys.py), whatever
+    the roster file says yet."""
+
+    __tablename__ = "member_keys"
+
+    stream: Mapped[str] = mapped_column(String, primary_key=True, comment="the stream whose log names it")
+    public_key: Mapped[str] = mapped_column(String, primary_key=True, comment="the member's new key")
+    member: Mapped[str] = mapped_column(String, nullable=False, comment="the member's name (node id)")
+    succeeds: Mapped[str] = mapped_column(String, nullable=False, comment="the member's key it replaced there")
+    event_id: Mapped[str] = mapped_column(String, nullable=False, comment="the rotation that named it")
+    rotated_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the steward says")
+
+
 class AppliedEvent(Base):
     """An event a projection applied, by its id on its stream (hearth/readmodels/applied_events.py): a copy stored
     again past the broker's duplicate window is rejected `duplicate`, not counted twice. Kept as long as its stream's
