@@ -1,12 +1,14 @@
-"""The keys an event log's verified removals retired and the steward keys its rotations named, per stream, read in
-stream order: what a reader without a read model (hearth-replay, the applied-ids backfill, a call and open check)
-tells an event's verdict by, as a projection does from its member_removals and steward_keys tables."""
+"""The keys an event log's verified removals retired and the steward and member keys its rotations named, per stream,
+read in stream order: what a reader without a read model (hearth-replay, the applied-ids backfill, a call and open
+check) tells an event's verdict by, as a projection does from its member_removals, steward_keys and member_keys
+tables."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from hearth.events.member_keys import MemberSuccession, passed_member_key
 from hearth.events.models import MemberRemoved
 from hearth.events.signing import EventVerifier, RejectionReason, StreamPosition
 from hearth.events.steward_keys import Succession, passed_steward_key
@@ -14,10 +16,12 @@ from hearth.events.steward_keys import Succession, passed_steward_key
 
 @dataclass
 class LoggedKeys:
-    """The keys the verified removals and steward rotations read so far retired, and the steward keys they named."""
+    """The keys the verified removals and rotations read so far retired, and the steward and member keys they named."""
 
     removed: set[tuple[str, str]] = field(default_factory=set)  # (stream, key)
     steward_keys: dict[tuple[str, str], str] = field(default_factory=dict)  # (stream, key) -> the key it succeeded
+    # (stream, key) -> (the key it succeeded, the member it was rotated for)
+    member_keys: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
 
     def record(self, event: MemberRemoved) -> None:
         """Keep a verified removal (or rotation) read in stream order; only the first of a key on a stream counts."""
@@ -25,10 +29,16 @@ class LoggedKeys:
         if (stream, event.public_key) in self.removed:
             return
         self.removed.add((stream, event.public_key))
-        passed = passed_steward_key(event, lambda key: (stream, key) in self.removed or (stream, key) in
-                                    self.steward_keys)
+        def held_here(key: str) -> bool:
+            return (stream, key) in self.removed or (stream, key) in self.steward_keys or (stream, key) in \
+                self.member_keys
+
+        passed = passed_steward_key(event, held_here)
         if passed is not None:
             self.steward_keys[(stream, passed[0])] = passed[1]
+        member_key = passed_member_key(event, held_here)
+        if member_key is not None:
+            self.member_keys[(stream, member_key[0])] = member_key[1:]
 
     def removal_logged(self, stream: str, signer: str | None) -> bool:
         return (stream, signer) in self.removed
@@ -37,6 +47,14 @@ class LoggedKeys:
         """The steward keys `stream`'s log named so far, for EventVerifier.rejection."""
         return lambda key: self.steward_keys.get((stream, key))
 
+    def member_succession(self, stream: str) -> MemberSuccession:
+        """The member keys `stream`'s log named so far, for EventVerifier.rejection."""
+        return lambda key: self.member_keys.get((stream, key))
+
+    def named_member_keys(self) -> list[tuple[str, str, str]]:
+        """Each member key every stream's log named so far: (it, the key it succeeded, the member)."""
+        return [(key, succeeded, member) for (_, key), (succeeded, member) in self.member_keys.items()]
+
     def rejection(self, verifier: EventVerifier, message: Any) -> RejectionReason | None:
         """`verifier`'s verdict on a stored event (a StoredEvent) read after what was recorded so far, at the
         broker's storage time and position, as a live projection gives it."""
@@ -44,4 +62,5 @@ class LoggedKeys:
         return verifier.rejection(event, received_at=message.time, stored_data=getattr(message, "data", b""),
                                   position=StreamPosition(message.stream, message.seq, message.subject),
                                   removal_logged=self.removal_logged(message.stream, event.signer),
-                                  steward_succession=self.succession(message.stream))
+                                  steward_succession=self.succession(message.stream),
+                                  member_succession=self.member_succession(message.stream))

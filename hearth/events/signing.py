@@ -18,12 +18,13 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from hearth.events.member_keys import MemberSuccession, member_by_log
 from hearth.events.models import EventEnvelope, MemberRemoved
 from hearth.events.steward_keys import Succession, steward_by_log
 from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS, stream_for_subject
 from hearth.protocol.subjects import event_subject, shard_control_subject
 from hearth.trust.keys import MemberKey, verify_b64
-from hearth.trust.roster import Member, RemovedMember, Role, Roster, RosterError
+from hearth.trust.roster import Member, RemovedMember, RetiredKey, Role, Roster, RosterError
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class EventVerifier:
         self._members_of: Roster | None = None
         self._members_by_key: dict[str, Member] = {}
         self._removed_by_key: dict[str, RemovedMember] = {}  # every key no longer accepted (Roster.former_keys)
+        self._begun_by_key: dict[str, RetiredKey] = {}  # a rotated-to key: the retirement of the key it replaced
 
     @classmethod
     def from_roster_file(cls, path: Path, *, max_clock_skew_s: float) -> "EventVerifier":
@@ -162,12 +164,14 @@ class EventVerifier:
         if roster is not self._members_of:
             self._members_by_key = {member.public_key: member for member in roster.members}
             self._removed_by_key = roster.former_keys()  # removed members' keys and retired ones
+            self._begun_by_key = roster.key_beginnings()
             self._members_of = roster
         return self._members_by_key.get(public_key) or self._removed_by_key.get(public_key)
 
     def rejection(self, event: EventEnvelope, *, received_at: datetime, stored_data: bytes = b"",
                   position: StreamPosition | None = None, removal_logged: bool = False,
-                  steward_succession: Succession | None = None) -> RejectionReason | None:
+                  steward_succession: Succession | None = None,
+                  member_succession: MemberSuccession | None = None) -> RejectionReason | None:
         """Why `event` must not be applied, or None. `received_at` is when the broker stored it (the clock that
         bounds `occurred_at`); `stored_data` is the stored body the signature is checked over (without it, the
         event's own canonical bytes); `position` is where it is stored, which a removed member's cut on that stream
@@ -175,7 +179,9 @@ class EventVerifier:
         `member.removed` of its signer came earlier in the same stream, so it is rejected whatever the roster says
         yet (the steward saves the roster after publishing the removal). `steward_succession`: the steward keys the
         same stream's verified rotations named so far (hearth/events/steward_keys.py), so a signer the roster does
-        not know yet is the steward when the log passed the roster's steward key on to it."""
+        not know yet is the steward when the log passed the roster's steward key on to it. `member_succession`: the
+        member keys the same stream's verified rotations named so far (hearth/events/member_keys.py), so a signer the
+        roster does not know yet is the member whose roster key the log passed on to it."""
         if not event.signer or not event.signature:
             return "unsigned"
         if removal_logged:
@@ -188,7 +194,13 @@ class EventVerifier:
         member = self._member(event.signer)
         if member is None and steward_succession is not None:
             member = steward_by_log(self._current_roster(), event.signer, steward_succession)
+        if member is None and member_succession is not None:
+            member = member_by_log(self._current_roster(), event.signer, member_succession)
         if member is None:
+            return "unknown_signer"
+        if self._stored_before_it_began(event, received_at, position):
+            # A key counts from its rotation's place in each stream, as a projection with an older roster copy
+            # follows the rotation in the log: a rebuild with this roster rejects what that projection did.
             return "unknown_signer"
         if isinstance(member, RemovedMember):
             # What it signed before its removal stays valid, so a rebuild applies what the live projection did.
@@ -208,6 +220,20 @@ class EventVerifier:
         if event.occurred_at > received_at + self.max_clock_skew:
             return "future_dated"
         return None
+
+
+    def _stored_before_it_began(self, event: EventEnvelope, received_at: datetime,
+                                position: StreamPosition | None) -> bool:
+        """Whether the roster rotated some key to `event`'s signer and `event` was stored before that rotation: on
+        its stream before the rotation's place there, or without one there, before its time."""
+        began = self._begun_by_key.get(event.signer or "")
+        if began is None:
+            return False
+        stream, seq = (position.stream, position.seq) if position is not None else (None, None)
+        cut = next((cut for cut in began.cuts if cut.stream == stream), None)
+        if cut is not None and seq is not None:
+            return not cut.passed_by(seq, received_at, event.event_id)
+        return received_at < began.retired_at
 
 
 def stored_on_its_own_subject(event: EventEnvelope, position: StreamPosition) -> bool:

@@ -9,7 +9,9 @@ in member_removals in the batch's transaction, and every later event of that key
 rejects exactly what the live projection did.
 
 A rotation of the steward's own key is kept the same way (steward_keys): the key it names is the steward's on that
-stream from there on (hearth/events/steward_keys.py), before the roster file names it and after a restart.
+stream from there on (hearth/events/steward_keys.py), before the roster file names it and after a restart. So is a
+rotation of another member's key (member_keys): the key it names is that member's on that stream from there on
+(hearth/events/member_keys.py), unless the roster file gives the member yet another key.
 
 A pipeline is its builder's: once the pipelines stream has shown a pipeline's row, a `pipeline.*` event of it from
 another orchestrator is rejected (`node_mismatch`). Every orchestrator reads the pipelines stream, so it knows every
@@ -24,10 +26,18 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hearth.events.member_keys import MemberSuccession, passed_member_key
 from hearth.events.models import MemberRemoved
 from hearth.events.signing import EventVerifier, RejectionReason, StreamPosition
 from hearth.events.steward_keys import Succession, passed_steward_key
-from hearth.readmodels.batch_rows import MEMBER_REMOVALS, PIPELINES, STEWARD_KEYS, BatchRows, epoch_s
+from hearth.readmodels.batch_rows import (
+    MEMBER_KEYS,
+    MEMBER_REMOVALS,
+    PIPELINES,
+    STEWARD_KEYS,
+    BatchRows,
+    epoch_s,
+)
 
 if TYPE_CHECKING:
     from hearth.events.consume import StoredEvent
@@ -56,7 +66,8 @@ def rejection(verifier: EventVerifier | None, message: StoredEvent, rows: BatchR
     return verifier.rejection(event, received_at=message.time, stored_data=message.data,
                               position=StreamPosition(message.stream, message.seq, message.subject),
                               removal_logged=removal_logged,
-                              steward_succession=steward_succession(message.stream, rows)) or pipeline_of_another(
+                              steward_succession=steward_succession(message.stream, rows),
+                              member_succession=member_succession(message.stream, rows)) or pipeline_of_another(
         event, rows)
 
 
@@ -78,6 +89,14 @@ def steward_succession(stream: str, rows: BatchRows) -> Succession:
     return succeeded
 
 
+def member_succession(stream: str, rows: BatchRows) -> MemberSuccession:
+    """The member keys `stream`'s log named so far (member_keys): each with the one it succeeded and its member."""
+    def succeeded(public_key: str) -> tuple[str, str] | None:
+        row = rows.get(MEMBER_KEYS, (stream, public_key))
+        return (row["succeeds"], row["member"]) if row is not None else None
+    return succeeded
+
+
 def record_member_removal(event: MemberRemoved, rows: BatchRows) -> None:
     """Keep the first removal of a key on its stream (the verifier has checked that it is stored there): a copy
     published later moves the cut nowhere."""
@@ -88,15 +107,32 @@ def record_member_removal(event: MemberRemoved, rows: BatchRows) -> None:
                                         event_id=event.event_id,
                                         removed_at=math.floor(event.occurred_at.timestamp())))
     record_steward_key(event, rows)
+    record_member_key(event, rows)
 
 
 def record_steward_key(event: MemberRemoved, rows: BatchRows) -> None:
     """Keep the key the steward's first rotation of its own key on this stream names (none for another event)."""
-    passed = passed_steward_key(event, lambda key: rows.get(MEMBER_REMOVALS, (event.stream, key)) is not None
-                                or rows.get(STEWARD_KEYS, (event.stream, key)) is not None)
+    passed = passed_steward_key(event, lambda key: held_here(event.stream, key, rows))
     if passed is None:
         return
     new_key, succeeds = passed
     rows.put(STEWARD_KEYS, (event.stream, new_key), dict(stream=event.stream, public_key=new_key, succeeds=succeeds,
                                                          event_id=event.event_id,
                                                          rotated_at=epoch_s(event.occurred_at)))
+
+
+def record_member_key(event: MemberRemoved, rows: BatchRows) -> None:
+    """Keep the key the first rotation of a member's key (not the steward's) on this stream names."""
+    passed = passed_member_key(event, lambda key: held_here(event.stream, key, rows))
+    if passed is None:
+        return
+    new_key, succeeds, member = passed
+    rows.put(MEMBER_KEYS, (event.stream, new_key), dict(stream=event.stream, public_key=new_key, member=member,
+                                                        succeeds=succeeds, event_id=event.event_id,
+                                                        rotated_at=epoch_s(event.occurred_at)))
+
+
+def held_here(stream: str, public_key: str, rows: BatchRows) -> bool:
+    """Whether `stream`'s log already retired `public_key` or named it as a steward's or member's key."""
+    return any(rows.get(table, (stream, public_key)) is not None for table in (MEMBER_REMOVALS, STEWARD_KEYS,
+                                                                             MEMBER_KEYS))

@@ -223,7 +223,7 @@ def rotate_key_command(
         deleted = "; it replaced the old key's seed there"
     else:
         deleted = f"; the old key's seed at {rotated.old_seed_deleted} is deleted"
-    handed_out = "" if steward else f" {_hand_out_the_roster(directory, name)}"
+    handed_out = "" if steward else f" {_rotation_reaches_the_members(directory, name, bool(rotated.retired.cuts))}"
     typer.echo(f"rotated the key of {name}: retired {rotated.retired.public_key} (at {where}), now "
                f"{rotated.member.public_key}{seed}{deleted}. {BROKER_APPLIES_IT}{handed_out}")
     _warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is")
@@ -332,6 +332,21 @@ def _hand_out_the_roster(directory: Path, name: str) -> str:
     own roster copy, which names the new key only once it is handed over."""
     return (f"Then hand the new roster.json ({directory / 'roster.json'}) to every member's machine: until its copy "
             f"names {name}'s new key, processes there reject that key's events, calls and opens (unknown_signer).")
+
+
+def _rotation_reaches_the_members(directory: Path, name: str, logged: bool) -> str:
+    """What the steward does next after a member's key changed: the member's own machine needs its new seed with the
+    roster naming it; every other machine's processes learn the new key from the rotation in the log (where a stream
+    took it), so handing the roster out is recommended, not needed for the mesh to keep working."""
+    roster = directory / "roster.json"
+    if not logged:
+        return (f"No stream took the rotation: hand the new roster.json ({roster}) to every member's "
+                f"machine; until its copy names {name}'s new key, processes there reject that key's events, calls and "
+                "opens (unknown_signer).")
+    return (f"Give {name}'s machine its new seed with the new roster.json ({roster}). Other members' projectors, "
+            f"orchestrators and shard hosts accept {name}'s new key from the rotation in the event log, before their "
+            "roster copy names it; handing the roster to every member is still recommended (a stream that did not "
+            "take the rotation, and a process started after the rotation aged out of the log, go by the roster).")
 
 
 BROKER_APPLIES_IT = ("A broker run by `hearth nats --community` applies it at once; any other: render "

@@ -213,6 +213,15 @@ class Roster(BaseModel):
             former.update({retired.public_key: holder.as_retired(retired) for retired in holder.retired_keys})
         return former
 
+    def key_beginnings(self) -> dict[str, RetiredKey]:
+        """Each key a rotation gave a member (current or removed), with the retirement of the key it replaced: where
+        and when it began to count."""
+        began = {}
+        for holder in self._holders():
+            keys = [retired.public_key for retired in holder.retired_keys] + [holder.public_key]
+            began.update({key: retired for key, retired in zip(keys[1:], holder.retired_keys)})
+        return began
+
     def retirements(self) -> list[tuple[Member, RetiredKey]]:
         """Every key retired by a rotation, with the member (current or removed) that held it, oldest first each."""
         return [(holder, retired) for holder in self._holders() for retired in holder.retired_keys]

@@ -262,6 +262,9 @@ def test_rotate_key_publishes_first_and_says_where_the_old_key_was_retired(commu
     assert retired.public_key == old and [(cut.stream, cut.seq) for cut in retired.cuts] == [
         (stream, seq) for stream, seq, *_ in broker.stored]
     assert "(at HEARTH_SHARDS #40, HEARTH_PIPELINES #41)" in result.output
+    said = " ".join(result.output.split())  # other machines follow the log; the member's own needs the roster
+    assert "accept attic's new key from the rotation in the event log" in said and "still recommended" in said
+    assert "Give attic's machine its new seed with the new roster.json" in said
     assert {event.new_public_key for *_, event in broker.stored} == {community.roster().by_name("attic").public_key}
 
 

@@ -133,12 +133,13 @@ def test_a_rotation_that_contradicts_the_rosters_chain_of_steward_keys_teaches_n
 
 
 def test_a_rotation_of_another_members_key_names_no_steward(tmp_path):
-    """The steward rotating attic's key passes attic's role on to the new key, never the steward's."""
+    """The steward rotating attic's key passes attic's role on to the new key (hearth/events/member_keys.py), never
+    the steward's: a shard host's key may not remove a member."""
     new_attic = MemberKey.generate()
     log = [stored(rotation(ATTIC, new_attic, signer=STEWARD_0, member="attic", t=20), 1),
            stored(removal_of("hub", HUB, by=new_attic, t=30), 2)]
     rejected, removals = project(tmp_path / "rm.db", old_roster(), [log])
-    assert rejected == [(2, "unknown_signer")]
+    assert rejected == [(2, "role_may_not_emit")]
     assert ("hub", HUB.public_key) not in removals
 
 

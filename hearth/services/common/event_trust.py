@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hearth.events.broker_clock import BrokerClockWatch
+from hearth.events.member_keys import current_key_by_logs
 from hearth.events.signing import EventVerifier, RosterFile
 from hearth.events.streams import StreamSetup
 from hearth.services.common.call_signing import CallVerifier
@@ -19,7 +20,7 @@ from hearth.services.common.identity import IdentityError, default_roster_for, l
 from hearth.services.common.kept_steward_keys import STEWARD_KEYS_FILE
 from hearth.services.common.logged_steward_keys import StewardKeysFromTheLog
 from hearth.trust.keys import MemberKey
-from hearth.trust.roster import CALLER_ROLES
+from hearth.trust.roster import CALLER_ROLES, Member
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,15 @@ def call_verifier(settings: HearthSettings, steward_keys: StewardKeysFromTheLog 
     return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
                         max_clock_skew_s=settings.events.max_clock_skew_s,
                         min_caller_trust=settings.orchestrator.min_caller_trust, caller_roles=CALLER_ROLES,
-                        logged_steward_keys=steward_keys.named if steward_keys is not None else None,
-                        logged_retired_keys=steward_keys.retired_keys if steward_keys is not None else None)
+                        **logged_keys(steward_keys))
+
+
+def logged_keys(steward_keys: StewardKeysFromTheLog | None) -> dict[str, Any]:
+    """What a CallVerifier is told of the keys the logs name and retire (nothing without a follower)."""
+    if steward_keys is None:
+        return {}
+    return dict(logged_steward_keys=steward_keys.named, logged_retired_keys=steward_keys.retired_keys,
+                logged_member_keys=steward_keys.member_keys)
 
 
 def open_verifier(settings: HearthSettings, steward_keys: StewardKeysFromTheLog | None = None) -> CallVerifier | None:
@@ -100,8 +108,7 @@ def open_verifier(settings: HearthSettings, steward_keys: StewardKeysFromTheLog 
         return None
     return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
                         max_clock_skew_s=settings.events.max_clock_skew_s, min_caller_trust="member", signed="open",
-                        receiver="shard", logged_steward_keys=steward_keys.named if steward_keys is not None else None,
-                        logged_retired_keys=steward_keys.retired_keys if steward_keys is not None else None)
+                        receiver="shard", **logged_keys(steward_keys))
 
 
 def node_membership(settings: HearthSettings,
@@ -110,7 +117,8 @@ def node_membership(settings: HearthSettings,
     never was in it, or the logs `steward_keys` follows retired the key the roster gives it; None: it may), read from
     the roster file as it changes; None on an open mesh. A removed member's adverts stay in the read model until they
     expire, and its heartbeats stored before the removal keep it looking alive for a while: routing must not wait for
-    either, nor for the household's roster copy."""
+    either, nor for the household's roster copy. A key the logs rotated is no reason: its member serves on under the
+    new key (logged_key_of)."""
     roster_file = community_roster_file(settings.nats)
     if roster_file is None:
         return None
@@ -122,8 +130,8 @@ def node_membership(settings: HearthSettings,
             current = roster.current(recheck_now=True)
         member = current.by_name(node_id)
         if member is not None:
-            if steward_keys is not None and member.public_key in steward_keys.retired_keys():
-                return "its member's key was removed or rotated (the event log says so; this roster copy not yet)"
+            if steward_keys is not None and logged_key_of(member, steward_keys) is None:
+                return "its member's key was removed (the event log says so; this roster copy not yet)"
             return None
         if any(gone.member.name == node_id for gone in current.removed):
             return "its member was removed from the community"
@@ -132,9 +140,21 @@ def node_membership(settings: HearthSettings,
     return why_not_a_member
 
 
-def member_public_keys(settings: HearthSettings) -> Callable[[str], str | None] | None:
+def logged_key_of(member: Member, steward_keys: StewardKeysFromTheLog | None) -> str | None:
+    """The key `member` (as the roster gives it) signs and is sealed to by the logs `steward_keys` follows: the end of
+    the chain of its rotations there (the roster's key where they show none); None when the logs removed it, or name
+    two successors of one key (fail closed until a roster settles it)."""
+    if steward_keys is None:
+        return member.public_key
+    current, _ = current_key_by_logs(member, steward_keys.member_keys())
+    return None if current is None or current in steward_keys.retired_keys() else current
+
+
+def member_public_keys(settings: HearthSettings,
+                       steward_keys: StewardKeysFromTheLog | None = None) -> Callable[[str], str | None] | None:
     """On a community mesh, a member's public key by its name (a node's member: what an orchestrator seals an open's
-    keys to, hearth/services/transport/key_seal.py), read from the roster file as it changes; None on an open mesh."""
+    keys to, hearth/services/transport/key_seal.py), read from the roster file as it changes and followed through the
+    rotations the logs `steward_keys` follows show (logged_key_of); None on an open mesh."""
     roster_file = community_roster_file(settings.nats)
     if roster_file is None:
         return None
@@ -142,7 +162,7 @@ def member_public_keys(settings: HearthSettings) -> Callable[[str], str | None] 
 
     def public_key_of(name: str) -> str | None:
         member = roster.current().by_name(name) or roster.current(recheck_now=True).by_name(name)
-        return member.public_key if member is not None else None
+        return logged_key_of(member, steward_keys) if member is not None else None
 
     return public_key_of
 

@@ -2,7 +2,8 @@
 that checks signed calls or opens (an orchestrator's calls, a shard host's opens): it reads each stream's removals
 subject from its first message and follows it, judging each removal and rotation as a projection does
 (hearth/events/logged_keys.py), so the steward's rotation of its own key retires the old key for calls and opens, and
-names the new one, and a member's removal or key rotation retires its key for them, with no new roster copy.
+names the new one, a member's key rotation retires its key for them and names its new one (member_keys), and a
+member's removal retires its key, with no new roster copy.
 What it learns it keeps in a file in the process's state folder, read first at its next start
 (hearth/services/common/kept_steward_keys.py): a removal or rotation that has aged out of the streams still counts."""
 
@@ -59,6 +60,11 @@ class StewardKeysFromTheLog:
         named = dict(self._kept_keys.steward_keys)
         named.update(self._logged.steward_keys)  # a stream's own log, where it still holds the rotation
         return [(key, succeeded) for (_, key), succeeded in named.items()]
+
+    def member_keys(self) -> list[tuple[str, str, str]]:
+        """Each member key (not the steward's) the logs or the kept file named so far: (it, the key it succeeded, the
+        member), every stream's; CallVerifier's `logged_member_keys`."""
+        return [*self._kept_keys.named_member_keys(), *self._logged.named_member_keys()]
 
     def retired_keys(self) -> frozenset[str]:
         """Every key a verified removal or rotation on any stream read so far, or in the kept file, retired: it signs

@@ -24,6 +24,7 @@ from hearth.protocol.control import CloseHop, ControlReply, KeepHop, OpenHop
 from hearth.services.common.call_signing import signed_call_headers
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.event_trust import member_public_keys
+from hearth.services.common.logged_steward_keys import StewardKeysFromTheLog
 from hearth.services.transport.key_seal import seal_hop_keys, with_owner_proof
 from hearth.services.transport.mac import encode_link_key
 from hearth.trust.keys import MemberKey
@@ -62,9 +63,11 @@ def open_signer(key: MemberKey | None, member_keys: Callable[[str], str | None] 
     return None if key is None else OpenSigner(key, member_keys)
 
 
-def community_open_signer(key: MemberKey | None, settings: HearthSettings) -> OpenSigner | None:
-    """This orchestrator's open signer, sealing to the members of its community's roster; None on an open mesh."""
-    return open_signer(key, member_public_keys(settings))
+def community_open_signer(key: MemberKey | None, settings: HearthSettings,
+                          steward_keys: StewardKeysFromTheLog | None = None) -> OpenSigner | None:
+    """This orchestrator's open signer, sealing to the members of its community's roster, each under the key the logs
+    `steward_keys` follows rotated it to; None on an open mesh."""
+    return open_signer(key, member_public_keys(settings, steward_keys))
 
 
 def open_message(request: OpenHop, host_node: str, control_subject: str,

@@ -174,7 +174,8 @@ class Orchestrator(CallServing):
             canaries=CanaryLibrary.configured(verification),
             kept_inputs=KeptInputs(int(verification.kept_inputs_mb * MiB), idle_s=kept_idle_s),
             kept_chains=KeptChains(idle_s=kept_idle_s),
-            open_signer=community_open_signer(self.outbox.signing_key, self.settings))
+            open_signer=community_open_signer(self.outbox.signing_key, self.settings,
+                                              self.steward_keys))
         self._canaries = CanaryRunner(self.context, self._record_event)
         self._canaries.start()
         owned_task(self._tasks, sweep_expired([self.context.kept_inputs, self.context.kept_chains],
