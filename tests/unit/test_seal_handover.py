@@ -66,6 +66,7 @@ async def shard_answer_to(open_request: OpenHop, *, host_seals: bool) -> Control
     server._hops = {}
     server._hop_changes = asyncio.Lock()
     server._withdrawn = False
+    server.steward_keys = None  # an open mesh's: no key retired by the log
     server.settings = SimpleNamespace(max_concurrent_streams=0)  # a sound open is then refused as at_capacity
     return await server._open_hop(open_request)
 
