@@ -16,7 +16,7 @@ def admit_every_prompt(orchestrator, monkeypatch,
     prompt as [1, 2, 3]."""
 
     async def any_head(name):
-        return SimpleNamespace()
+        return SimpleNamespace(context_length=None)
 
     async def admit_prompt(request, model):
         return [1, 2, 3]

@@ -346,7 +346,7 @@ async function streamChat(nc, request, keyPair, subject, pinned = false) {
 // Each choice's answer as it stands (token_delta frames less those a tokens_withdrawn frame took back) against
 // the request's bound: a frame past it is a violation (a Failure, exit code 2), as a frame past a schema's bound is.
 function answerBound(request) {
-  const maxTokens = Number(request.max_tokens ?? 128); // the request schema's default
+  const maxTokens = Number(request.max_tokens ?? 128); // absent: the most an orchestrator then gives
   const maxTextBytes = maxTokens * MAX_TEXT_BYTES_PER_TOKEN + HELD_BACK_SLACK_BYTES;
   const choices = Array.from({ length: request.n ?? 1 }, () => ({ tokenBytes: [], textBytes: 0, withdrawals: 0 }));
   return (frame) => {

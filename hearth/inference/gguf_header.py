@@ -27,6 +27,7 @@ from .gguf_layout import (
     check_data_layout,
     check_not_split,
     gguf_layer_of,
+    tensor_label,
     truncated_refusal,
 )
 
@@ -154,33 +155,34 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
     for index in range(tensor_count):
         info_start = cursor.position
         name = _tensor_name(cursor, index, file_name)
+        label = tensor_label(name, index)
         n_dims = cursor.unpack("<I")
         if n_dims > MAX_TENSOR_DIMS:
-            raise CheckpointError(f"{file_name}'s header is corrupt (tensor {name} has {n_dims} dimensions)")
+            raise CheckpointError(f"{file_name}'s header is corrupt (tensor {label} has {n_dims} dimensions)")
         dims = [cursor.unpack("<Q") for _ in range(n_dims)]
         type_id, offset = cursor.unpack("<I"), cursor.unpack("<Q")
-        infos.append((name, dims, type_id, offset, info_start, cursor.position))
+        infos.append((name, dims, type_id, offset, info_start, cursor.position, label))
     alignment = metadata.get(ALIGNMENT_KEY) or GGUF_DEFAULT_ALIGNMENT
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise CheckpointError(f"{file_name}'s header states an invalid alignment {alignment!r}")
     data_start = (cursor.position + alignment - 1) // alignment * alignment
     known = {int(member): member for member in GGMLQuantizationType}
-    spans = []  # (offset, bytes or None when the block type is unknown, name) of every tensor, other modalities' too
-    for name, dims, type_id, offset, *_ in infos:
+    spans = []  # (offset, bytes or None when the block type is unknown, label) of every tensor, other modalities' too
+    for _, dims, type_id, offset, *_, label in infos:
         block_size, type_size = GGML_QUANT_SIZES.get(known.get(type_id), (None, None))
         if block_size is not None and dims and dims[0] % block_size:
-            raise CheckpointError(f"{file_name}'s header is corrupt (tensor {name}'s rows of {dims[0]} values are "
+            raise CheckpointError(f"{file_name}'s header is corrupt (tensor {label}'s rows of {dims[0]} values are "
                                   f"no whole number of {known[type_id].name} blocks of {block_size})")
-        spans.append((offset, None if block_size is None else math.prod(dims) // block_size * type_size, name))
+        spans.append((offset, None if block_size is None else math.prod(dims) // block_size * type_size, label))
     check_data_layout(spans, data_start, file_size, alignment, file_name)
     text = [(info, span[1]) for info, span in zip(infos, spans) if is_text_model_tensor(info[0])]
     type_names = [known[info[2]].name if info[2] in known else f"type {info[2]}" for info, _ in text]
     if check_tensors:
         if not text:
             raise CheckpointError(f"{file_name} holds no tensors of a text model")
-        check_block_types(((info[0], type_name) for (info, _), type_name in zip(text, type_names)), file_name)
+        check_block_types(((info[6], type_name) for (info, _), type_name in zip(text, type_names)), file_name)
     tensors = []
-    for ((name, dims, _, offset, info_start, info_end), n_bytes), type_name in zip(text, type_names):
+    for ((name, dims, _, offset, info_start, info_end, _), n_bytes), type_name in zip(text, type_names):
         tensors.append(GGUFPartTensor(
             name=name, layer=gguf_layer_of(name), block_type=type_name, shape=tuple(reversed(dims)),
             info_start=info_start, info_end=info_end, data_start=data_start + offset, n_bytes=n_bytes or 0))
@@ -196,11 +198,11 @@ def _tensor_name(cursor: _Cursor, index: int, file_name: str) -> str:
     print them, control bytes included)."""
     length = cursor.unpack("<Q")
     if length >= MAX_TENSOR_NAME_BYTES:
-        raise CheckpointError(f"{file_name}'s header is corrupt (tensor {index}'s name is {length} bytes long; "
+        raise CheckpointError(f"{file_name}'s header is corrupt (tensor #{index}'s name is {length} bytes long; "
                               f"GGUF names are shorter than {MAX_TENSOR_NAME_BYTES})")
     name = cursor.take(length).decode("utf-8", errors="replace")
     if not name.isprintable() or "\ufffd" in name:
-        raise CheckpointError(f"{file_name}'s header is corrupt (tensor {index}'s name {ascii(name)} is no printable "
+        raise CheckpointError(f"{file_name}'s header is corrupt (tensor #{index}'s name {ascii(name)} is no printable "
                               "UTF-8)")
     return name
 

@@ -26,6 +26,12 @@ LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 EVERY_LAYER_TENSORS = (ROPE_FREQS_TENSOR, *LONGROPE_TENSORS)
 
 
+def tensor_label(name: str, index: int) -> str:
+    """How a refusal names GGUF tensor info `index`: its name, or `#index (unnamed)` when the name is empty (the
+    message would otherwise read "tensor  has ...")."""
+    return name or f"#{index} (unnamed)"
+
+
 def gguf_layer_of(tensor_name: str) -> int | None:
     """The decoder layer of a GGUF tensor name ("blk.3.attn_q.weight" -> 3), None for every other tensor."""
     parts = tensor_name.split(".")
@@ -65,8 +71,8 @@ class GGUFSplit:
 
 
 def check_block_types(tensors: Iterable[tuple[str, str]], file_name: str) -> None:
-    """CheckpointError (one line) naming the first of `tensors` ((GGUF name, GGML type name)) stored in a block type
-    hearth does not read (hearth/formats/gguf_support.py)."""
+    """CheckpointError (one line) naming the first of `tensors` ((GGUF name or tensor_label, GGML type name)) stored
+    in a block type hearth does not read (hearth/formats/gguf_support.py)."""
     refusal = unsupported_block_type(tensors, file_name)
     if refusal is not None:
         raise CheckpointError(refusal)
@@ -81,10 +87,10 @@ def check_data_layout(spans: Iterable[tuple[int, int | None, str]], data_start: 
                       alignment: int, file_name: str) -> None:
     """CheckpointError (one line) when the tensors' bytes ((offset in the data section, which starts at byte
     `data_start`; bytes its block type and shape count, None when its type is unknown: it may take up to the next
-    tensor; name)) end past the `file_size` bytes the file holds (a truncated file), or naming the tensor whose bytes
-    llama.cpp would refuse: at an offset that is no multiple of `alignment`, overlapping the next tensor's, or
-    followed by more bytes than it counts before the next tensor starts (a tensor info naming a smaller block type or
-    shape than its bytes)."""
+    tensor; its name as a refusal says it, tensor_label)) end past the `file_size` bytes the file holds (a truncated
+    file), or naming the tensor whose bytes llama.cpp would refuse: at an offset that is no multiple of `alignment`,
+    overlapping the next tensor's, or followed by more bytes than it counts before the next tensor starts (a tensor
+    info naming a smaller block type or shape than its bytes)."""
     # In offset order, each tensor's bytes padded to the alignment end where the next one's start, as every GGUF
     # writer (llama.cpp's, the gguf package's, Ollama's, gguf_parts') lays them and llama.cpp's loader requires: a
     # tensor info that states another size would read its neighbour's bytes, or leave some of its own unread.

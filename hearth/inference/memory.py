@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import torch
 from .checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint, read_config
 from .checkpoint_files import opened_safetensors
 from .devices import MiB
-from .gguf_checkpoint import default_read_device
+from .gguf_checkpoint import default_read_device, single_gguf_in
 from .gguf_tensor_table import gguf_layer_tensors, layer_tensor_blocks
 from hearth.formats.gguf_support import FLOAT_GGUF_TYPE_NAMES, SUPPORTED_GGUF_TYPE_NAMES, is_gguf_file
 from .gguf_int4 import STORED_INT4_GROUP_SIZES
@@ -82,6 +82,24 @@ def layer_weight_bytes_of(tensors: Iterable[tuple[str, str, list[int]]], compute
             size = math.prod(shape) * element_bytes
         totals[int(found.group(1))] += size
     return dict(totals)
+
+
+def weights_held_as_stored(model_path: Path, quantization: str | QuantizationScheme, *,
+                           device: torch.device | str = default_read_device) -> dict[str, int]:
+    """{GGUF block type: how many decoder-layer weights of it} that `quantization` holds on `device` in their stored
+    4-bit form (held_as_stored: int4 of the stored groups) rather than rounding them itself; empty for a checkpoint
+    that is no GGUF, and for a scheme holding none so (`none`, int4 of another group)."""
+    scheme = parse_quantization(quantization)
+    path = single_gguf_in(model_path) if model_path.is_dir() else model_path
+    if not scheme.quantized or path is None or not is_gguf_file(path):
+        return {}
+    held: Counter[str] = Counter()
+    for tensors in layer_tensor_blocks(path).values():
+        for shape, block_type in tensors:
+            group = STORED_INT4_GROUP_SIZES.get(block_type)
+            if len(shape) == 2 and held_as_stored(scheme, group, shape[0], shape[1], device) is not None:
+                held[block_type] += 1
+    return dict(sorted(held.items()))
 
 
 def _gguf_layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype, scheme: QuantizationScheme,

@@ -15,7 +15,8 @@ from hearth.protocol.refusals import (
 )
 
 max_tokens_limit = 8192
-# What a call generates at most when it does not say (hearth/inference/sampling.py mirrors it).
+# What a call generates at most when it does not say, fewer where the model's context leaves fewer
+# (hearth/inference/sampling.py mirrors it).
 default_max_tokens = 128
 max_prompt_chars = 1_000_000
 # Turns of one conversation: far beyond any context window's worth, and a bound on a body's validation work.
@@ -114,7 +115,9 @@ class ChatRequest(BaseModel):
     model: str | None = Field(default=None, min_length=1, max_length=512)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=max_messages)
     prompt: str | None = Field(default=None, min_length=1, max_length=max_prompt_chars)
-    max_tokens: int = Field(default=default_max_tokens, ge=1, le=max_tokens_limit)
+    # Absent: at most default_max_tokens, fewer where the context leaves fewer (the orchestrator sets it once the
+    # prompt is tokenized, ChatRequest.fitted_to_context), as OpenAI's API runs to the context's end.
+    max_tokens: int | None = Field(default=None, ge=1, le=max_tokens_limit, exclude_if=is_none)
     temperature: FiniteFloat = Field(default=0.0, ge=0.0, le=max_temperature)
     top_p: FiniteFloat = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=max_top_k)
@@ -142,6 +145,19 @@ class ChatRequest(BaseModel):
     # `seed`, choice i samples with seed + i.
     n: int = Field(default=1, ge=1, le=max_choices)
     params: ChatParams = Field(default_factory=ChatParams)
+
+    @property
+    def most_tokens(self) -> int:
+        """The most tokens a choice of this call may generate: `max_tokens`, else the default it cannot exceed."""
+        return default_max_tokens if self.max_tokens is None else self.max_tokens
+
+    def fitted_to_context(self, prompt_tokens: int, context_length: int | None) -> "ChatRequest":
+        """This request with `max_tokens` set: as sent, else the default or what the context leaves after
+        `prompt_tokens` when that is fewer (admission made sure it leaves at least one)."""
+        if self.max_tokens is not None:
+            return self
+        room = default_max_tokens if context_length is None else context_length - prompt_tokens
+        return self.model_copy(update={"max_tokens": max(1, min(default_max_tokens, room))})
 
     @field_validator("logit_bias", mode="before")
     @classmethod

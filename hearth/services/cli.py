@@ -289,8 +289,9 @@ def chat_command(
         Optional[str], typer.Option("--model", help="Model id, as the shard hosts advertise it (default: the one "
                                     "model the mesh serves; `hearth models` lists them).", show_default=False)
     ] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = \
-        default_max_tokens,
+    max_tokens: Annotated[Optional[int], typer.Option(
+        "--max-tokens", min=1, help=f"Most tokens to generate (default: {default_max_tokens}, fewer where the "
+        "model's context leaves fewer).", show_default=False)] = None,
     temperature: Annotated[Optional[finite_between(0.0, max_temperature)], typer.Option(
         "--temperature", metavar=FINITE_FLOAT_METAVAR, help="0 = greedy.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option("--seed", min=0, max=seed_limit - 1,

@@ -107,7 +107,7 @@ async def test_frames_the_answer_does_not_carry_leave_the_stream_whole(scripted)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "Hello"
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     sent = received[-1]
-    assert (sent.stop, sent.seed, sent.top_p, sent.temperature, sent.max_tokens) == (["x"], 7, 0.5, 1.0, 128)
+    assert (sent.stop, sent.seed, sent.top_p, sent.temperature, sent.max_tokens) == (["x"], 7, 0.5, 1.0, None)
 
 
 async def test_frames_sent_again_after_a_gap_make_the_answer_once_and_in_order(scripted):

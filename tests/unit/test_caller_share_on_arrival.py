@@ -63,7 +63,7 @@ def orchestrator_loading_a_head(monkeypatch, connection: Connection, head_loaded
 
     async def get_requested(name):
         await asyncio.wait_for(head_loaded.wait(), timeout=30)  # the model's head is loading
-        return SimpleNamespace()
+        return SimpleNamespace(context_length=None)
 
     admit_every_prompt(orchestrator, monkeypatch, get_requested)
 

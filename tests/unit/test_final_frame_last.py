@@ -61,7 +61,7 @@ async def test_a_caller_sees_its_call_end_only_once_the_call_has_left_its_runnin
     orchestrator = Orchestrator(MagicMock(), HearthSettings(), node_id="orchestrator-final-last")
     orchestrator.enabled = True
     orchestrator.context = SimpleNamespace(running_calls=0)
-    model = SimpleNamespace()
+    model = SimpleNamespace(context_length=None)
 
     async def get_requested(name):
         return model

@@ -43,9 +43,11 @@ def test_a_chat_body_maps_onto_a_chat_request():
         7, 0.0, 0.9, 3, ["END"])
 
 
-def test_openai_sampling_defaults_and_hearth_s_max_tokens():
+def test_openai_sampling_defaults_and_max_tokens_left_to_the_context():
     request = chat().to_chat_request()
-    assert (request.temperature, request.top_p, request.max_tokens, request.model) == (1.0, 1.0, 128, "m")
+    # Left out, it stays out: the orchestrator gives the answer up to 128 tokens, fewer where the context ends.
+    assert (request.temperature, request.top_p, request.max_tokens, request.model) == (1.0, 1.0, None, "m")
+    assert request.most_tokens == 128 and "max_tokens" not in request.model_dump(exclude_none=True)
     completion = CompletionRequest.model_validate({"prompt": ["raw text"], "max_tokens": 3}).to_chat_request()
     assert (completion.prompt, completion.messages, completion.model, completion.max_tokens) == (
         "raw text", None, None, 3)

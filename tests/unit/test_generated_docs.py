@@ -67,8 +67,8 @@ def test_the_committed_docs_are_what_the_models_generate_now():
 def test_the_chat_request_schema_carries_the_protocol_limits():
     request = load_schema("llm.chat.request.json")
     properties = request["properties"]
-    assert properties["max_tokens"]["maximum"] == chat_protocol.max_tokens_limit
-    assert properties["max_tokens"]["minimum"] == 1
+    assert properties["max_tokens"]["anyOf"][0]["maximum"] == chat_protocol.max_tokens_limit
+    assert properties["max_tokens"]["anyOf"][0]["minimum"] == 1
     assert properties["prompt"]["anyOf"][0]["maxLength"] == chat_protocol.max_prompt_chars
     assert request["additionalProperties"] is False
     assert set(properties) == set(chat_protocol.ChatRequest.model_fields)

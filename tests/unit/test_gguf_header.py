@@ -104,3 +104,23 @@ def test_a_local_header_longer_than_the_bound_is_refused_without_reading_the_fil
     with pytest.raises(CheckpointError, match="unknown type 99"):
         path.write_bytes(_header_with_one_value(struct.pack("<I", 99)) + bytes(64))
         read_gguf_header(path)
+
+
+def _tensor_info(name: bytes, dims: list[int], type_id: int = 0, offset: int = 0) -> bytes:
+    return (struct.pack("<Q", len(name)) + name + struct.pack("<I", len(dims))
+            + b"".join(struct.pack("<Q", dim) for dim in dims) + struct.pack("<IQ", type_id, offset))
+
+
+@pytest.mark.parametrize(("infos", "why"), [
+    ([_tensor_info(b"", [1] * 9)], "tensor #0 (unnamed) has 9 dimensions"),
+    ([_tensor_info(b"token_embd.weight", [32]), _tensor_info(b"", [3], GGMLQuantizationType.Q4_0, 128)],
+     "tensor #1 (unnamed)'s rows of 3 values are no whole number of Q4_0 blocks of 32"),
+    ([_tensor_info(b"token_embd.weight", [32]), _tensor_info(b"", [32], offset=8)],
+     "tensor #1 (unnamed)'s data offset 8 is not a multiple of the file's alignment 32"),
+], ids=["dimensions", "blocks", "alignment"])
+def test_a_tensor_with_an_empty_name_is_refused_by_its_index(infos, why):
+    """Before, such a refusal read "tensor  has 9 dimensions": two spaces, no tensor named."""
+    data = b"GGUF" + struct.pack("<IQQ", 3, len(infos), 0) + b"".join(infos)
+    with pytest.raises(CheckpointError) as refused:
+        parse_gguf_header(data + bytes(256), len(data) + 256, "unnamed.gguf", check_tensors=False)
+    assert why in str(refused.value) and "tensor  " not in str(refused.value), str(refused.value)

@@ -134,9 +134,9 @@ def test_a_tensor_whose_shape_the_config_contradicts_is_refused_by_name(tiny_ggu
 
 
 @pytest.mark.parametrize(("name_length", "byte", "why"), [
-    (200, None, "tensor {index}'s name is 200 bytes long; GGUF names are shorter than 64"),
-    (None, b"\n", "tensor {index}'s name 'blk.0.attn_q\\nweight' is no printable UTF-8"),
-    (None, b"\xff", "tensor {index}'s name 'blk.0.attn_q\\ufffdweight' is no printable UTF-8"),
+    (200, None, "tensor #{index}'s name is 200 bytes long; GGUF names are shorter than 64"),
+    (None, b"\n", "tensor #{index}'s name 'blk.0.attn_q\\nweight' is no printable UTF-8"),
+    (None, b"\xff", "tensor #{index}'s name 'blk.0.attn_q\\ufffdweight' is no printable UTF-8"),
 ], ids=["length-swallowing-the-next-infos", "newline", "not-utf-8"])
 def test_a_tensor_name_that_is_too_long_or_not_printable_is_refused_without_printing_it(source, tmp_path,
                                                                                          name_length, byte, why):

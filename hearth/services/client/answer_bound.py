@@ -67,7 +67,7 @@ class AnswerBound:
 
     @classmethod
     def of(cls, request: ChatRequest) -> "AnswerBound":
-        return cls(request.max_tokens, request.n)
+        return cls(request.most_tokens, request.n)
 
     def take(self, frame: ChatFrame) -> None:
         """Count `frame` in its choice's answer; AnswerTooLong when that is now past the bound."""

@@ -51,7 +51,7 @@ def prompt_from_stdin(interactive: bool) -> str:
     return text.removesuffix("\n")
 
 
-def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_tokens: int, temperature: float,
+def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_tokens: int | None, temperature: float,
                      seed: int | None, raw: bool, as_json: bool, choices: int,
                      nats_settings: NatsSettings | None = None, quantization: str | None = None,
                      interactive: bool = False, waits: dict[str, float] | None = None) -> int:
@@ -171,7 +171,7 @@ class ChatPrinter:
 
     @classmethod
     def of(cls, request: ChatRequest, asked_first: str | None = None) -> "ChatPrinter":
-        return cls(request.n, max_tokens=request.max_tokens, request_id=request.request_id, asked_first=asked_first)
+        return cls(request.n, max_tokens=request.most_tokens, request_id=request.request_id, asked_first=asked_first)
 
     @property
     def answer(self) -> AnswerTokens:

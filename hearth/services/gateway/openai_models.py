@@ -9,9 +9,10 @@ asks for that many choices, each its own pipeline. `response_format`, `tools` an
 as they are (hearth/protocol/chat_tools.py bounds them); assistant messages with `tool_calls` and `tool` messages
 are part of the history. `logprobs`/`top_logprobs`, the penalties (`repetition_penalty` too, an extension, as is
 `top_k`) and `logit_bias` go onto the request as they are (its validation bounds them, a refusal naming the field).
-Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128). hearth's own
-options, which no other server shares, come in one object `hearth` (`{"hearth": {"verify": "all"}}`), so they cannot
-collide with a field OpenAI adds, and a misspelt one is refused rather than ignored.
+Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` left out stays out (the answer runs to hearth's
+128 tokens or the context's end, whichever comes first). hearth's own options, which no other server shares, come in
+one object `hearth` (`{"hearth": {"verify": "all"}}`), so they cannot collide with a field OpenAI adds, and a
+misspelt one is refused rather than ignored.
 """
 
 from __future__ import annotations

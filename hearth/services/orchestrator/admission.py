@@ -1,5 +1,6 @@
 """Admission of a valid request against its model: the prompt is tokenized only when it can fit the model's
-context, its tokens plus `max_tokens` must fit, and every refusal is a BadRequest naming the fields.
+context, its tokens plus `max_tokens` must fit (without `max_tokens`, plus one: the answer then runs to the
+default or the context's end, whichever comes first), and every refusal is a BadRequest naming the fields.
 
 Two moments, so that tokenizing waits its turn: `prompt_room` is cheap and is checked as a request arrives;
 `admit_prompt` tokenizes and is called once the call's turn in the fair queue came (hearth/services/orchestrator/
@@ -43,8 +44,10 @@ def prompt_room(request: ChatRequest, model: LoadedModel) -> int | None:
         raise BadRequest(f"field 'logit_bias.{beyond[0]}': token id {beyond[0]} is not in the model's vocabulary of "
                          f"{vocab_size} tokens", param="logit_bias")
     context = model.context_length
-    room = None if context is None else context - request.max_tokens
-    if room is not None and room < 1:
+    # Without max_tokens the answer takes what the context leaves (ChatRequest.fitted_to_context): one token at least.
+    answer_tokens = 1 if request.max_tokens is None else request.max_tokens
+    room = None if context is None else context - answer_tokens
+    if room is not None and room < 1 and request.max_tokens is not None:
         raise BadRequest(f"field 'max_tokens': max_tokens {request.max_tokens} leaves no room for a prompt: with one "
                          f"prompt token they {CONTEXT_EXCEEDED} of {context} tokens", param="max_tokens",
                          reason="context_exceeded")
@@ -62,16 +65,24 @@ async def admit_prompt(request: ChatRequest, model: LoadedModel) -> list[int]:
         # Compiling reads the model's whole vocabulary the first time: on the compute thread too.
         await on_compute_thread(grammar.check, model)
     if prompt_ids is None:
-        raise BadRequest(f"fields '{field}' and 'max_tokens': the prompt's at least {at_least} tokens plus "
-                         f"max_tokens {request.max_tokens} {CONTEXT_EXCEEDED} of {context} tokens", param=field,
-                         reason="context_exceeded")
+        raise _too_long(request, field, context, at_least, exact=False)
     if not prompt_ids:
         raise BadRequest(f"field '{field}': the prompt encodes to no tokens", param=field)
     if room is not None and len(prompt_ids) > room:
-        raise BadRequest(f"fields '{field}' and 'max_tokens': the prompt's {len(prompt_ids)} tokens plus max_tokens "
-                         f"{request.max_tokens} = {len(prompt_ids) + request.max_tokens} {CONTEXT_EXCEEDED} "
-                         f"of {context} tokens", param=field, reason="context_exceeded")
+        raise _too_long(request, field, context, len(prompt_ids), exact=True)
     return prompt_ids
+
+
+def _too_long(request: ChatRequest, field: str, context: int | None, tokens: int, *, exact: bool) -> BadRequest:
+    """The refusal of a prompt of `tokens` (exactly, or at least) that leaves its answer no room in `context`."""
+    counted = str(tokens) if exact else f"at least {tokens}"
+    if request.max_tokens is None:
+        return BadRequest(f"field '{field}': the prompt's {counted} tokens leave no room for an answer: they and one "
+                          f"token more {CONTEXT_EXCEEDED} of {context} tokens", param=field, reason="context_exceeded")
+    total = f" = {tokens + request.max_tokens}" if exact else ""
+    return BadRequest(f"fields '{field}' and 'max_tokens': the prompt's {counted} tokens plus max_tokens "
+                      f"{request.max_tokens}{total} {CONTEXT_EXCEEDED} of {context} tokens", param=field,
+                      reason="context_exceeded")
 
 
 def _tokenize_within(request: ChatRequest, model: LoadedModel, room: int | None) -> tuple[list[int] | None, int]:

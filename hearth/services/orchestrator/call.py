@@ -118,7 +118,7 @@ class Call:
             self.quantization = self.request.params.quantization
         request = self.request
         self.params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-                                     seed=request.seed, max_tokens=request.max_tokens, stop=tuple(request.stop),
+                                     seed=request.seed, max_tokens=request.most_tokens, stop=tuple(request.stop),
                                      presence_penalty=request.presence_penalty,
                                      frequency_penalty=request.frequency_penalty,
                                      repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias,

@@ -134,6 +134,7 @@ class CallServing:
                 except BadRequest as error:
                     await client.send(ErrorFrame.refusing(error))
                     return
+                request = request.fitted_to_context(len(prompt_ids), model.context_length)
                 ran = True
                 async with self._counted_as_running():
                     await self._run_admitted(request, model, client, caller, prompt_ids, admission)

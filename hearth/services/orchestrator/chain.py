@@ -135,7 +135,7 @@ class HopChain(HopSessions):
                                      if macs else None, tracked=lambda session, step: session == self.session_id
                                      and step in self._outstanding, max_chunks_per_step=step_limits and
                                      step_limits.max_chunks)
-        self._watch = StallWatch(nc, hops, self._observer, transport, first_hop=first)
+        self._watch = StallWatch(nc, hops, self._observer, transport, first_hop=first, pipeline_id=pipeline_id)
         self._latencies = HopLatencies(self.shard_ids)
         self._notice_sub = None
         self._notices: list[HopNotice] = []

@@ -204,7 +204,7 @@ class ChainBuilder:
                         wire_dtype=settings.research.distributed_inference.activation_dtype,
                         sink_bounds=self.ctx.sink_bounds.setdefault(model.model_id, NormBounds()),
                         hidden_size=model.head.info.hidden_size,
-                        max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens,
+                        max_session_tokens=len(self.call.prompt_ids) + self.call.request.most_tokens,
                         on_round_trip=self.ctx.load.observe_round_trip, record_budget_bytes=self.record_budget_bytes,
                         prefix=self._reusable(naming), sign_open=self.ctx.open_signer,
                         why_not_a_member=self.ctx.router.why_not_a_member)
@@ -284,7 +284,7 @@ class ChainBuilder:
         kept = longer_kept(self.ctx.kept_chains.holding(reusable.hashes), self.recorded_kept.get(hops[0].quantization))
         chosen, _ = prefer_kept(hops, kept, usable, load=load,
                                 block_tokens=reusable.block_tokens, prompt_positions=len(self.call.known_ids),
-                                max_tokens=self.call.request.max_tokens,
+                                max_tokens=self.call.request.most_tokens,
                                 prefill_token_cost=self.ctx.settings.prefix_cache.prefill_token_cost,
                                 mirrors_per_hop=MIRRORS_PER_LEVEL[self.call.request.params.verify])
         return chosen

@@ -12,7 +12,10 @@ with it the subscription on its control subject, so a request there fails at onc
 Once a step has been held `gone_check_after_s` (far longer than a step normally takes, far shorter than
 the step timeout), the watch asks the suspects, and asks again every `gone_check_after_s` while the step stays
 held (a host may die while the hop before it still computes a long prefill); one without a responder is failed
-over right away.
+over right away. One that answers but no longer lists the pipeline among its open ones closed its hop (its watchdog
+did, or it dropped the hops of an orchestrator whose key the event log retired, docs/trust.md "Work in flight"): the
+step will never be taken in there, so it fails at once as `evicted` (the call re-opens the hop, as after a
+`session_evicted` notice) rather than at the step timeout.
 A host whose link is cut (its process running on) still has its subscriptions at the broker until the broker
 gives up on its connection, so a request there is silent instead: a suspect that stays silent through the gone
 check and a second probe of `probe_timeout_s` is failed over too, unless the step moved on meanwhile, or our own
@@ -37,7 +40,7 @@ from hearth.services.common.config import TransportSettings
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.router import Hop
 from hearth.services.transport import AckObserver, StepInfo, TransportError, WindowCheck
-from hearth.services.transport.probe import ProbeOutcome, probe_outcome
+from hearth.services.transport.probe import ProbeOutcome, holds_no_hop_of, probe_outcome, probe_stat
 
 # How often (a fraction of the step timeout, and at least twice per gone check) a waiting step is looked at.
 stall_poll_fraction = 0.1
@@ -56,8 +59,10 @@ class StallWatch:
     """Looked at by HopChain every poll while a step is outstanding; gives a StepFailure once one is due."""
 
     def __init__(self, nc: NatsClient, hops: list[Hop], observer: AckObserver, transport: TransportSettings, *,
-                 first_hop: int = 0) -> None:
+                 first_hop: int = 0, pipeline_id: str | None = None) -> None:
         self.nc = nc
+        # The pipeline whose steps are watched: a suspect whose `stat` no longer lists it closed its hop.
+        self.pipeline_id = pipeline_id
         # The pipeline's index of hops[0]: acks name hops by the pipeline's index.
         self.first_hop = first_hop
         self.hops = hops
@@ -137,12 +142,18 @@ class StallWatch:
         """The gone check: a suspect without a responder is gone; one silent to it and to a second probe of
         `probe_s` is unreachable (a cut link, or a frozen host), unless the step was passed on meanwhile."""
         position = self._position(info)
-        outcomes = await self._outcomes(suspects, self.transport.gone_check_timeout_s)
-        for index, outcome in zip(suspects, outcomes):
+        probed = await asyncio.gather(*(probe_stat(self.nc, self.hops[i], self.transport.gone_check_timeout_s)
+                                        for i in suspects))
+        outcomes = [outcome for outcome, _ in probed]
+        for index, (outcome, stat) in zip(suspects, probed):
             if outcome is ProbeOutcome.no_responder:
                 return StepFailure("gone", self.hops[index].shard_id,
                                    f"no longer connected (no responder on its control subject); step "
                                    f"{info.step} held {held_s:.2f} s")
+            if stat is not None and self.pipeline_id is not None and holds_no_hop_of(stat, self.pipeline_id):
+                return StepFailure("evicted", self.hops[index].shard_id,
+                                   f"step {info.step}: its hop is no longer open there (the shard closed it); held "
+                                   f"{held_s:.2f} s")
         silent = [index for index, outcome in zip(suspects, outcomes) if outcome is ProbeOutcome.silent]
         if not silent:
             return None

@@ -28,12 +28,23 @@ class Controlled(Protocol):
 
 async def probe_outcome(nc: NatsClient, shard: Controlled, timeout_s: float) -> ProbeOutcome:
     """How the shard reacts to `stat`: answers, has no responder (gone), or stays silent."""
+    return (await probe_stat(nc, shard, timeout_s))[0]
+
+
+async def probe_stat(nc: NatsClient, shard: Controlled, timeout_s: float) -> tuple[ProbeOutcome, ShardStat | None]:
+    """probe_outcome, and the shard's answer when it answered (which pipelines it holds a hop of, among others)."""
     try:
         message = await keeping_cancellation(
             nc.request(shard.control_subject, StatShard().model_dump_json().encode(), timeout=timeout_s))
-        ShardStat.model_validate_json(message.data)
+        stat = ShardStat.model_validate_json(message.data)
     except NoRespondersError:
-        return ProbeOutcome.no_responder
+        return ProbeOutcome.no_responder, None
     except Exception:  # a timeout, a closed connection, or an answer that is not a ShardStat
-        return ProbeOutcome.silent
-    return ProbeOutcome.answered
+        return ProbeOutcome.silent, None
+    return ProbeOutcome.answered, stat
+
+
+def holds_no_hop_of(stat: ShardStat, pipeline_id: str) -> bool:
+    """Whether a shard's `stat` says it holds no hop of `pipeline_id` (it closed it, or never opened it); False from a
+    shard that does not say which it holds."""
+    return "open_pipelines" in stat.model_fields_set and pipeline_id not in stat.open_pipelines

@@ -18,6 +18,8 @@ from tqdm import tqdm
 from hearth.inference import (
     CheckpointError, InferenceError, LocalModel, QuantizationError, load_full, parse_quantization, read_config_dict,
 )
+from hearth.inference.gguf_int4 import STORED_INT4_GROUP_SIZES
+from hearth.inference.memory import weights_held_as_stored
 from hearth.services.devtools.bench.eval_options import EVAL_MAX_TEXT_BYTES, EvalOptions
 from hearth.services.devtools.bench.quality_metrics import QualityTotals, compare_logits
 from hearth.services.cli_options import EXIT_BAD_INPUT
@@ -36,12 +38,22 @@ class EvalInputError(ValueError):
     """Input `hearth eval` cannot measure: a missing, empty or non-UTF-8 text, an unknown scheme or model."""
 
 
+class StoredBlocksHeld(BaseModel):
+    """A GGUF's 4-bit blocks a scheme serves as they are stored (quantization.held_as_stored): int8, and int4 of the
+    stored group, hold them alike, so their figures agree on those weights."""
+
+    weights: dict[str, int]  # GGUF block type -> decoder-layer weights stored in it and served so
+    held_in: str  # the scheme those weights are held in: int4 of the stored groups ("int4/g32")
+
+
 class SchemeQuality(BaseModel):
     scheme: str
     mean_kl_nats: float
     max_kl_nats: float
     top1_agreement: float
     perplexity: float
+    # None: the scheme rounds every layer weight itself.
+    held_as_stored: StoredBlocksHeld | None = None
 
 
 class EvalReport(BaseModel):
@@ -92,12 +104,11 @@ def evaluate(options: EvalOptions) -> EvalReport:
         if not windows:
             raise EvalInputError(f"{options.text} holds fewer than 2 tokens: nothing to predict")
         positions = sum(len(window) - 1 for window in windows)
-        results: list[tuple[str, QualityTotals]] = []
+        results: list[tuple[str, QualityTotals, StoredBlocksHeld | None]] = []
         with tqdm(total=positions * len(schemes), unit="tok", file=sys.stderr, desc="hearth eval") as progress:
             for scheme in schemes:
                 progress.set_description(f"{scheme.label}: loading")
-                totals = _measure_scheme(reference, model_path, scheme, windows, progress)
-                results.append((scheme.label, totals))
+                results.append((scheme.label, *_measure_scheme(reference, model_path, scheme, windows, progress)))
     finally:
         reference.close()
     return EvalReport(
@@ -106,8 +117,9 @@ def evaluate(options: EvalOptions) -> EvalReport:
         windows=len(windows), positions=positions, reference_dtype=str(REFERENCE_DTYPE).removeprefix("torch."),
         reference_perplexity=results[0][1].reference_perplexity,
         schemes=[SchemeQuality(scheme=label, mean_kl_nats=totals.mean_kl_nats, max_kl_nats=totals.max_kl_nats,
-                               top1_agreement=totals.top1_agreement, perplexity=totals.quantized_perplexity)
-                 for label, totals in results])
+                               top1_agreement=totals.top1_agreement, perplexity=totals.quantized_perplexity,
+                               held_as_stored=held)
+                 for label, totals, held in results])
 
 
 def _load_whole(model_path: Path, quantization) -> LocalModel:
@@ -118,7 +130,7 @@ def _load_whole(model_path: Path, quantization) -> LocalModel:
 
 
 def _measure_scheme(reference: LocalModel, model_path: Path, scheme, windows: Sequence[list[int]],
-                    progress) -> QualityTotals:
+                    progress) -> tuple[QualityTotals, StoredBlocksHeld | None]:
     try:
         quantized = _load_whole(model_path, scheme)
     except QuantizationError as error:  # a scheme this model's shapes cannot take (an int4 group size)
@@ -130,7 +142,7 @@ def _measure_scheme(reference: LocalModel, model_path: Path, scheme, windows: Se
             targets = torch.tensor(window[1:], dtype=torch.long)
             totals += compare_logits(window_logits(reference, window), window_logits(quantized, window), targets)
             progress.update(len(window) - 1)
-        return totals
+        return totals, stored_blocks_held(model_path, scheme, quantized.runner.device)
     finally:
         quantized.close()
         del quantized
@@ -205,6 +217,15 @@ def _check_context(model_path: Path, context_tokens: int) -> None:
         raise EvalInputError(f"--context-tokens {context_tokens}: more than the model's {max_positions} positions")
 
 
+def stored_blocks_held(model_path: Path, scheme, device) -> StoredBlocksHeld | None:
+    """The GGUF's 4-bit blocks `scheme` serves as stored on `device` (None: it rounds every layer weight itself)."""
+    weights = weights_held_as_stored(model_path, scheme, device=device)
+    if not weights:
+        return None
+    groups = sorted({STORED_INT4_GROUP_SIZES[block_type] for block_type in weights})
+    return StoredBlocksHeld(weights=weights, held_in=", ".join(f"int4/g{group}" for group in groups))
+
+
 def format_eval_report(report: EvalReport) -> str:
     """The report as a table: one row for the float32 reference, one per scheme."""
     lines = [f"hearth eval: {report.model} on {report.text} ({report.token_source}): {report.positions} positions "
@@ -215,6 +236,11 @@ def format_eval_report(report: EvalReport) -> str:
     for row in report.schemes:
         lines.append(f"{row.scheme:<14} {row.mean_kl_nats:>11.6f} {row.max_kl_nats:>10.4f} "
                      f"{100 * row.top1_agreement:>10.2f} % {_number(row.perplexity):>12}")
+    for row in report.schemes:
+        if (held := row.held_as_stored) is not None:
+            blocks = ", ".join(f"{count} {block_type}" for block_type, count in held.weights.items())
+            lines.append(f"{row.scheme}: serves the GGUF's stored 4-bit blocks as they are ({blocks} layer weights, "
+                         f"held in {held.held_in}), so it agrees with any scheme that does so on those weights")
     return "\n".join(lines)
 
 
