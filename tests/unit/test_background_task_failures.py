@@ -47,7 +47,7 @@ async def test_a_control_request_that_fails_is_logged_not_left_unretrieved(caplo
     open_hop = asyncio.Event()
     open_hop.set()
     request = SimpleNamespace(session_id="s", owner_key=None)
-    server._hops["p"] = SimpleNamespace(open_settled=open_hop, opener=None, request=request,
+    server._hops["p"] = SimpleNamespace(open_settled=open_hop, opener=None, opener_key=None, request=request,
                                         keep_now=lambda keep: compute.keep_now(request, keep, None))
     unretrieved: list[dict] = []
     loop = asyncio.get_running_loop()
@@ -130,6 +130,7 @@ class _OpenHop:
         self.open_settled = asyncio.Event()
         self.open_settled.set()
         self.opener = None
+        self.opener_key = None  # opened on an open mesh: no key the log could retire
         self.request = SimpleNamespace(session_id="s", owner_key=None)
 
     async def close(self, keep=None) -> int:

@@ -233,7 +233,9 @@ async def test_a_host_waits_for_a_move_under_way_rather_than_following_it_into_t
     advertised since) now holds the others' decisions until it has landed."""
     from hearth.services.host.main import wait_for_hole
 
-    settings = host_settings(rebalance_hold_s=0.1, rebalance_check_interval_s=0.01)
+    # Turns a hold apart: 0.3 s, so that an event loop stalled on a loaded machine does not wake two hosts whose
+    # turns have both passed in the same pass, the later one deciding on a read from before the earlier one's move.
+    settings = host_settings(rebalance_hold_s=0.3, rebalance_check_interval_s=0.01)
     six = Mesh(mesh.engine, layers=6)
     held = {node: (LayerRange(0, 1), six.add(0, 1, node)) for node in "abc"}
     moves: list[str] = []
