@@ -62,6 +62,14 @@ class LeftEvent:
     event: EventEnvelope
 
 
+def _call_mark(event: EventEnvelope) -> str | None:
+    """The statement that marks `event`'s call open or ended in the outbox (None: it neither opens nor ends one)."""
+    if event.type in _CALL_OPENING_TYPES:
+        return "INSERT OR IGNORE INTO open_calls (pipeline_id) VALUES (?)"
+    if event.type in _CALL_ENDING_TYPES:
+        return "DELETE FROM open_calls WHERE pipeline_id = ?"
+    return None
+
 class OutboxFile:
     """One claimed outbox file: `append` before an event is queued, `remove` once JetStream acked it."""
 
@@ -106,23 +114,9 @@ class OutboxFile:
     def append(self, event: EventEnvelope) -> int:
         """Store `event`; its row id, for `remove`. A call's opening or ending event marks the call open or ended in
         the same transaction, so a kill leaves both or neither."""
-        insert = "INSERT INTO events (event) VALUES (?)", (encode_event(event),)
-        if event.type in _CALL_OPENING_TYPES:
-            mark = "INSERT OR IGNORE INTO open_calls (pipeline_id) VALUES (?)"
-        elif event.type in _CALL_ENDING_TYPES:
-            mark = "DELETE FROM open_calls WHERE pipeline_id = ?"
-        else:  # autocommit: the statement is its own transaction, committed when it returns
-            return self._connection.execute(*insert).lastrowid
-        self._connection.execute("BEGIN")
-        try:
-            row_id = self._connection.execute(*insert).lastrowid
-            self._connection.execute(mark, (event.pipeline_id,))
-            self._connection.execute("COMMIT")
-        except BaseException:
-            if self._connection.in_transaction:  # SQLite may have rolled it back itself (a full disk)
-                self._connection.execute("ROLLBACK")
-            raise
-        return row_id
+        if _call_mark(event) is None:  # autocommit: the statement is its own transaction, committed when it returns
+            return self._connection.execute("INSERT INTO events (event) VALUES (?)", (encode_event(event),)).lastrowid
+        return self.append_many([event])[0]
 
     def append_many(self, events: Sequence[EventEnvelope]) -> list[int]:
         """Store `events` in order, in one transaction (all of them or none): one commit's pages in the write-ahead
@@ -133,11 +127,9 @@ class OutboxFile:
             for event in events:
                 row_ids.append(self._connection.execute(
                     "INSERT INTO events (event) VALUES (?)", (encode_event(event),)).lastrowid)
-                if event.type in _CALL_OPENING_TYPES:
-                    self._connection.execute("INSERT OR IGNORE INTO open_calls (pipeline_id) VALUES (?)",
-                                             (event.pipeline_id,))
-                elif event.type in _CALL_ENDING_TYPES:
-                    self._connection.execute("DELETE FROM open_calls WHERE pipeline_id = ?", (event.pipeline_id,))
+                mark = _call_mark(event)
+                if mark is not None:
+                    self._connection.execute(mark, (event.pipeline_id,))
             self._connection.execute("COMMIT")
         except BaseException:
             if self._connection.in_transaction:  # SQLite may have rolled it back itself (a full disk)
