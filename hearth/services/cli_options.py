@@ -312,10 +312,9 @@ def node_id_for(command: str, identity, node_id: str | None, role: str) -> str |
                    "roster.json beside the key's keys/ folder, or set [nats] roster_file", err=True)
         raise typer.Exit(EXIT_REFUSED)
     if identity.member.role != role:
-        held = identity.member.role
-        article = "an" if held[0] in "aeiou" else "a"
-        typer.echo(f"{command}: the key belongs to {identity.name}, {article} {held}, not a {role}: a {role} logs in "
-                   f"with a {role} member's key (the steward adds one: hearth community add --name NAME --role "
+        held, needed = _with_article(identity.member.role), _with_article(role)
+        typer.echo(f"{command}: the key belongs to {identity.name}, {held}, not {needed}: {needed} logs in "
+                   f"with {needed} member's key (the steward adds one: hearth community add --name NAME --role "
                    f"{role})", err=True)
         raise typer.Exit(EXIT_REFUSED)
     if node_id is not None and node_id != identity.name:
@@ -323,6 +322,11 @@ def node_id_for(command: str, identity, node_id: str | None, role: str) -> str |
                    "is its member name", err=True)
         raise typer.Exit(EXIT_REFUSED)
     return identity.name
+
+
+def _with_article(role: str) -> str:
+    """`role` after its indefinite article ("an orchestrator", "a shard")."""
+    return f"{'an' if role[0] in 'aeiou' else 'a'} {role}"
 
 
 def finite_between(minimum: float, maximum: float) -> Any:

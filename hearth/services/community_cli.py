@@ -326,12 +326,11 @@ def clear_quarantine_command(
                   "routers plan it again once their read model applies it"))
 
 
-# What the roster's change needs on the broker, said after a removal or a key's rotation.
 def _hand_out_the_roster(directory: Path, name: str) -> str:
-    """What the steward does next after a member's key changed: every other machine checks signatures against its
-    own roster copy, which names the new key only once it is handed over."""
+    """What the steward does next after adding a member: every other machine checks signatures against its own
+    roster copy, which names the member's key only once it is handed over."""
     return (f"Then hand the new roster.json ({directory / 'roster.json'}) to every member's machine: until its copy "
-            f"names {name}'s new key, processes there reject that key's events, calls and opens (unknown_signer).")
+            f"names {name}'s key, processes there reject that key's events, calls and opens (unknown_signer).")
 
 
 def _rotation_reaches_the_members(directory: Path, name: str, logged: bool) -> str:
@@ -349,6 +348,7 @@ def _rotation_reaches_the_members(directory: Path, name: str, logged: bool) -> s
             "take the rotation, and a process started after the rotation aged out of the log, go by the roster).")
 
 
+# What the roster's change needs on the broker, said after a removal or a key's rotation.
 BROKER_APPLIES_IT = ("A broker run by `hearth nats --community` applies it at once; any other: render "
                      "`hearth community nats-config` and reload it.")
 

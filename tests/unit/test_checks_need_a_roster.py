@@ -73,10 +73,11 @@ def test_hearth_replay_says_so_in_one_line(lone_key, tmp_path, monkeypatch):
         assert "no community roster for the key" in result.output
 
 
-@pytest.mark.parametrize(("holder", "role", "wanted"), [("audit", "auditor", "projector"),
-                                                         ("alice", "client", "shard")])
+@pytest.mark.parametrize(("holder", "role", "wanted", "needed"), [
+    ("audit", "auditor", "projector", "a projector"), ("alice", "client", "shard", "a shard"),
+    ("kitchen-pc", "shard", "orchestrator", "an orchestrator")])
 def test_a_key_of_another_role_is_refused_saying_which_member_the_process_needs(tmp_path, capsys, holder, role,
-                                                                                wanted):
+                                                                                wanted, needed):
     """An operator following the README's community setup starts `hearth projector --creds` with some member's key:
     the refusal names the role it needs and the command that adds such a member, in readable words."""
     community = Community.init(tmp_path / "community", "roles")
@@ -85,5 +86,6 @@ def test_a_key_of_another_role_is_refused_saying_which_member_the_process_needs(
         node_id_for(f"hearth {wanted}", identity, None, wanted)
     said = capsys.readouterr().err
     article = "an" if role[0] in "aeiou" else "a"
-    assert f"the key belongs to {holder}, {article} {role}, not a {wanted}" in said
+    assert f"the key belongs to {holder}, {article} {role}, not {needed}: {needed} logs in with {needed} member's" \
+        in said
     assert f"hearth community add --name NAME --role {wanted}" in said

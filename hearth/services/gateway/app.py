@@ -202,6 +202,7 @@ class GatewayApp(AnswerDelivery):
         except ValidationError as error:
             raise refusal_of(BadRequest.of_validation(error)) from None
 
+
 def _identified(response: Response, request_id: str | None) -> Response:
     """`response` with the call's request id as `x-request-id`, where OpenAI's clients read a request's id (openai-
     python: `completion._request_id`, an error's `request_id`)."""
