@@ -221,8 +221,15 @@ class EventOutbox:
         with contextlib.suppress(asyncio.CancelledError):
             await self._writer
         self._writer = None
-        # A last try at keeping what the disk refused (room may have been made since the last `record`).
-        not_kept = await asyncio.wrap_future(self._file_thread.submit(self._keep_unkept)) if self.file else 0
+        # A last try at keeping what the disk refused (room may have been made since the last `record`), bounded as
+        # an append is: a disk that does not answer counts what it had refused as lost.
+        not_kept = 0
+        if self.file:
+            try:
+                async with asyncio.timeout(append_wait_s):
+                    not_kept = await asyncio.wrap_future(self._file_thread.submit(self._keep_unkept))
+            except TimeoutError:
+                not_kept = len(self._unkept)
         if not written and self.file is None:
             log.error("%d audit event(s) not written before shutdown", not_written)
         elif not written:
@@ -231,7 +238,12 @@ class EventOutbox:
                       not_written - not_kept, self.file.path, lost)
         if self._file_thread is not None:
             self._file_thread.submit(self.file.close)
-            await asyncio.get_running_loop().run_in_executor(None, self._file_thread.shutdown)
+            try:
+                async with asyncio.timeout(append_wait_s):
+                    await asyncio.get_running_loop().run_in_executor(None, self._file_thread.shutdown)
+            except TimeoutError:
+                log.warning("event outbox %s: its disk did not answer within %.0f s; the file is closed once it does",
+                            self.file.path, append_wait_s)
             self._file_thread = None
 
     def _keep(self, queued: _Queued) -> None:

@@ -166,13 +166,18 @@ class OutboxFile:
         return left
 
 
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error` (or the DB-API error an SQLAlchemy one wraps) says the disk has no room: SQLite's SQLITE_FULL,
+    or ENOSPC, by their codes (not by their words)."""
+    cause = getattr(error, "orig", None) or error
+    code = getattr(cause, "sqlite_errorcode", None)
+    return (code is not None and code & 0xFF == sqlite3.SQLITE_FULL) or getattr(cause, "errno", None) == errno.ENOSPC
+
+
 def write_fault(error: BaseException) -> str:
-    """`error` in a few words for a log line, led by "disk full" when the disk has no room (SQLite's SQLITE_FULL, or
-    ENOSPC), so that an operator reads at once what to free."""
-    code = getattr(error, "sqlite_errorcode", None)
-    if (code is not None and code & 0xFF == sqlite3.SQLITE_FULL) or getattr(error, "errno", None) == errno.ENOSPC:
-        return f"disk full ({error})"
-    return str(error)
+    """`error` in a few words for a log line, led by "disk full" when the disk has no room (is_disk_full), so that an
+    operator reads at once what to free."""
+    return f"disk full ({error})" if is_disk_full(error) else str(error)
 
 
 def file_stem(owner: str) -> str:

@@ -8,6 +8,7 @@ import logging
 import time
 from pathlib import Path
 
+from hearth.events.outbox_file import is_disk_full
 from hearth.readmodels.db import storage_fault
 
 # The projector's own lines: said under its logger, where operators and its tests look for them.
@@ -36,7 +37,7 @@ class StorageFaultLog:
         now = self._clock()
         if self._said_at is None or now - self._said_at >= repeat_every_s:
             self._said_at, self._recovery_due = now, True
-            disk_full = "disk full: " if "full" in fault else ""
+            disk_full = "disk full: " if is_disk_full(error) else ""
             log.error("projector: cannot write %s (%s%s); nothing of the batch was applied, nor any after it until it "
                       "can be (%d refused tries since this was last said; said at most every %.0f s), trying again "
                       "in %.1f s",

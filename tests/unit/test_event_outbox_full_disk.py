@@ -155,3 +155,37 @@ async def test_a_file_capped_by_sqlite_says_disk_full_too(tmp_path, caplog):
     lines = outbox_lines(caplog, logging.ERROR)
     assert len(lines) == 1 and "disk full (database or disk is full)" in lines[0], lines
     await outbox.stop(timeout_s=0.05)
+
+
+class _FileOnAHungDisk(_FileOnADisk):
+    """A full disk that, at the last try before shutdown, stops answering: the append waits until `answer` is set."""
+
+    hung = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        import threading
+
+        self.answer = threading.Event()
+
+    def append(self, event):
+        if self.hung:
+            self.answer.wait(timeout=30)
+        return super().append(event)
+
+
+async def test_stop_waits_for_a_disk_that_does_not_answer_no_longer_than_an_append(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr("hearth.events.outbox.append_wait_s", 0.2)
+    outbox = EventOutbox(BrokerStoringNothing(), max_queued=100, retry_wait_s=0.01)
+    file = await claim(tmp_path, _FileOnAHungDisk)
+    outbox.start(file)
+    file.full = True
+    for number in range(3):
+        await outbox.record(withdrawn(f"s{number}"))
+    file.full, file.hung = False, True
+    try:
+        with caplog.at_level(logging.INFO, logger="hearth.events.outbox"):
+            await asyncio.wait_for(outbox.stop(timeout_s=0.05), timeout=10)
+        assert any("3 lost" in line for line in outbox_lines(caplog, logging.ERROR)), caplog.text
+    finally:
+        file.answer.set()  # the file thread's wait ends, so that it and the file close
