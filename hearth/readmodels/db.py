@@ -236,7 +236,8 @@ def backup_database(engine: Engine, copy: Path) -> None:
     """Write a consistent copy of the file to `copy` while projectors keep writing it: one read transaction
     (`VACUUM INTO`), so it holds every committed batch, those still in the WAL included, and no half of one, which a
     file copy of a live read model does not promise. Written beside `copy` and renamed into place once whole and
-    synced: a backup stopped midway leaves no file there."""
+    synced: a backup stopped midway leaves no file there. A file that appeared at `copy` meanwhile is not replaced
+    (FileExistsError): the copy is linked into place, which fails where a name exists, and never renamed over it."""
     partial = copy.with_name(f".{copy.name}.partial")
     partial.unlink(missing_ok=True)
     try:
@@ -249,7 +250,7 @@ def backup_database(engine: Engine, copy: Path) -> None:
                 raise
         with partial.open("rb") as written:
             os.fsync(written.fileno())
-        os.replace(partial, copy)
+        os.link(partial, copy)
     finally:
         partial.unlink(missing_ok=True)
 

@@ -80,6 +80,9 @@ def db_backup_command(
         _refuse("backup", f"{db}: not copied to {out}: {error.orig}", EXIT_REFUSED)
     except ReadModelUnusable as error:
         _refuse("backup", str(error), EXIT_REFUSED)
+    except FileExistsError:
+        _refuse("backup", f"{out} appeared while it was written: name a new file (a backup never replaces one)",
+                EXIT_BAD_INPUT)
     finally:
         engine.dispose()
     typer.echo(f"{db}: copied to {out} ({out.stat().st_size:,} bytes)")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import shutil
 
-from sqlalchemy import create_engine, text
+import pytest
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.pool import StaticPool
 from typer.testing import CliRunner
 
@@ -66,3 +67,26 @@ def test_a_missing_file_or_an_existing_copy_is_refused_in_one_line(tmp_path):
     refused = CliRunner().invoke(app, ["db", "backup", "--db", str(live), "--out", str(taken)])
     assert refused.exit_code == 2 and "exists" in refused.output and taken.read_text() == "keep me"
     assert len(refused.output.strip().splitlines()) == 1
+
+
+def test_a_file_that_appears_at_the_copy_while_it_is_written_is_kept(tmp_path):
+    """The command's check that --out does not exist comes before the copy: a file made there meanwhile (another
+    backup, another program) stays as it was and the backup is refused, never renamed over it."""
+    from hearth.readmodels.db import backup_database
+
+    live = tmp_path / "readmodel.sqlite"
+    engine = migrated_engine(live)
+    taken = tmp_path / "copy.sqlite"
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def appear_meanwhile(conn, cursor, statement, parameters, context, executemany):
+        if statement.startswith("VACUUM INTO"):
+            taken.write_text("made meanwhile")
+
+    try:
+        with pytest.raises(FileExistsError):
+            backup_database(engine, taken)
+    finally:
+        engine.dispose()
+    assert taken.read_text() == "made meanwhile"
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".")) == []
