@@ -17,7 +17,8 @@ from hearth.services.community_broker_cli import api_key_command, nats_config_co
 from hearth.services.community_cli_messages import (
     BROKER_APPLIES_IT,
     former_key_row,
-    hand_out_the_roster,
+    addition_reaches_the_members,
+    warn_where_the_log_lacks_the_addition,
     log_positions,
     not_published,
     rotation_reaches_the_members,
@@ -58,6 +59,7 @@ def init_command(
 
 @community_app.command("add")
 def add_command(
+    ctx: typer.Context,
     name: Annotated[str, typer.Option("--name", help="Member name: its node id and inbox token ([A-Za-z0-9_-]).")],
     role: Annotated[str, typer.Option("--role", help="shard | orchestrator | projector | client | auditor")],
     trust: Annotated[Optional[str], typer.Option(
@@ -68,9 +70,17 @@ def add_command(
         "--public-key", help="The member's own nkey public key (U...), when it made its key itself; else a key "
                              "pair is generated and its seed written to keys/NAME.nk (mode 0600).")] = None,
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    nats_url: CommunityNatsOption = None,
+    offline: Annotated[bool, typer.Option(
+        "--offline", help="Change the roster only, publishing no addition event (no broker to reach): other "
+                          "households then take the member only once their roster copy names it.")] = False,
 ) -> None:
-    """Add a member to the roster. A broker run by `hearth nats --community DIR` lets it in within seconds; for
-    any other, render `hearth community nats-config` and reload the broker."""
+    """Add a member to the roster, then publish a signed member.added (the steward's system key) on each event
+    stream: other households' projectors, orchestrators and shard hosts take the member from the log before their
+    roster copy names it. A broker run by `hearth nats --community DIR` lets it in within seconds; for any other,
+    render `hearth community nats-config` and reload the broker."""
+    from hearth.services.community_addition import publish_community_addition
+    from hearth.services.community_removal import PublishedRemoval
     from hearth.trust.community import Community
     from hearth.trust.keys import KeyFileError
     from hearth.trust.roster import ROLES, TRUST_ORDER, RosterError
@@ -86,9 +96,16 @@ def add_command(
     except OSError as error:
         fail(f"cannot write the roster or the key in {directory}: {error.strerror}; nothing was added")
     member = added.member
+    published, why_not = PublishedRemoval(), None
+    if not offline:
+        try:  # the roster holds the member: a log that lacks it only means handing the roster out, as before
+            published = publish_community_addition(Community(directory), member, nats_url, settings(ctx))
+        except Exception as error:  # no system key, no broker, no streams: said in one line
+            why_not = str(error) or type(error).__name__
     where = f"; its key: {added.seed_file} (give it to {name}, then delete it here)" if added.seed_file else ""
     typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}. "
-               f"{hand_out_the_roster(directory, member.name)}")
+               f"{addition_reaches_the_members(directory, member.name, log_positions(published.cuts, published))}")
+    warn_where_the_log_lacks_the_addition("hearth community add", published, why_not)
 
 
 @community_app.command("keygen")

@@ -19,11 +19,29 @@ if TYPE_CHECKING:
 
 
 # What the roster's change needs on the broker, said after a removal or a key's rotation.
-def hand_out_the_roster(directory: Path, name: str) -> str:
-    """What the steward does next after a member's key changed: every other machine checks signatures against its
-    own roster copy, which names the new key only once it is handed over."""
-    return (f"Then hand the new roster.json ({directory / 'roster.json'}) to every member's machine: until its copy "
-            f"names {name}'s new key, processes there reject that key's events, calls and opens (unknown_signer).")
+def addition_reaches_the_members(directory: Path, name: str, where: str) -> str:
+    """What the steward does next after adding a member: the member's own machine needs the roster (and its seed);
+    every other machine's processes take the member from the addition in the log (`where` it went: none, then the
+    roster must be handed out)."""
+    roster = directory / "roster.json"
+    if not where:
+        return (f"No stream took its addition: hand the new roster.json ({roster}) to every member's machine; until "
+                f"its copy names {name}, processes there reject {name}'s events, calls and opens (unknown_signer).")
+    return (f"Its addition is at {where}: other members' projectors, orchestrators and shard hosts accept {name} from "
+            f"the event log before their roster copy names it. Give {name}'s machine the new roster.json ({roster}) "
+            "with its seed; handing the roster to every member is still recommended (a stream that did not take the "
+            "addition, and a process started after it aged out of the log, go by the roster).")
+
+
+def warn_where_the_log_lacks_the_addition(command: str, published: PublishedRemoval, why_not: str | None) -> None:
+    """One warning for each stream that did not take the addition (or, `why_not`, none was published): there, other
+    households take the member only once their roster copy names it."""
+    if why_not is not None:
+        typer.echo(f"{command}: warning: the addition was not published ({why_not}): other households take the "
+                   "member only once their roster copy names it", err=True)
+    for stream, why in published.failures.items():
+        typer.echo(f"{command}: warning: {stream} did not take the addition event ({why}): there, other households "
+                   "take the member only once their roster copy names it", err=True)
 
 
 def rotation_reaches_the_members(directory: Path, name: str, logged: bool) -> str:
