@@ -1,15 +1,16 @@
-"""The keys an event log's verified removals retired and the steward and member keys its rotations named, per stream,
-read in stream order: what a reader without a read model (hearth-replay, the applied-ids backfill, a call and open
-check) tells an event's verdict by, as a projection does from its member_removals, steward_keys and member_keys
-tables."""
+"""The keys an event log's verified removals retired, the steward and member keys its rotations named and the members
+its additions added, per stream, read in stream order: what a reader without a read model (hearth-replay, the
+applied-ids backfill, a call and open check) tells an event's verdict by, as a projection does from its
+member_removals, steward_keys, member_keys and member_additions tables."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from hearth.events.member_additions import AdditionLookup, LoggedAddition, logged_addition
 from hearth.events.member_keys import MemberSuccession, passed_member_key
-from hearth.events.models import MemberRemoved
+from hearth.events.models import MemberChange, MemberRemoved
 from hearth.events.signing import EventVerifier, RejectionReason, StreamPosition
 from hearth.events.steward_keys import Succession, passed_steward_key
 
@@ -22,16 +23,26 @@ class LoggedKeys:
     steward_keys: dict[tuple[str, str], str] = field(default_factory=dict)  # (stream, key) -> the key it succeeded
     # (stream, key) -> (the key it succeeded, the member it was rotated for)
     member_keys: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    additions: dict[tuple[str, str], LoggedAddition] = field(default_factory=dict)  # (stream, key) -> its addition
 
-    def record(self, event: MemberRemoved) -> None:
-        """Keep a verified removal (or rotation) read in stream order; only the first of a key on a stream counts."""
+    def record(self, event: MemberChange) -> None:
+        """Keep a verified removal, rotation or addition read in stream order; only the first of a key on a stream
+        counts."""
         stream = event.stream
+
+        def held_here(key: str) -> bool:
+            return any((stream, key) in held for held in (self.removed, self.steward_keys, self.member_keys,
+                                                           self.additions))
+
+        if not isinstance(event, MemberRemoved):
+            added = logged_addition(event, held_here, lambda name: any(
+                (stream, name) == (where, addition.member) for (where, _), addition in self.additions.items()))
+            if added is not None:
+                self.additions[(stream, event.public_key)] = added
+            return
         if (stream, event.public_key) in self.removed:
             return
         self.removed.add((stream, event.public_key))
-        def held_here(key: str) -> bool:
-            return (stream, key) in self.removed or (stream, key) in self.steward_keys or (stream, key) in \
-                self.member_keys
 
         passed = passed_steward_key(event, held_here)
         if passed is not None:
@@ -51,6 +62,14 @@ class LoggedKeys:
         """The member keys `stream`'s log named so far, for EventVerifier.rejection."""
         return lambda key: self.member_keys.get((stream, key))
 
+    def addition(self, stream: str) -> AdditionLookup:
+        """The members `stream`'s log added so far, for EventVerifier.rejection."""
+        return lambda key: self.additions.get((stream, key))
+
+    def named_additions(self) -> list[tuple[str, LoggedAddition]]:
+        """Each addition every stream's log made so far, with the key it added."""
+        return [(key, addition) for (_, key), addition in self.additions.items()]
+
     def named_member_keys(self) -> list[tuple[str, str, str]]:
         """Each member key every stream's log named so far: (it, the key it succeeded, the member)."""
         return [(key, succeeded, member) for (_, key), (succeeded, member) in self.member_keys.items()]
@@ -63,4 +82,5 @@ class LoggedKeys:
                                   position=StreamPosition(message.stream, message.seq, message.subject),
                                   removal_logged=self.removal_logged(message.stream, event.signer),
                                   steward_succession=self.succession(message.stream),
-                                  member_succession=self.member_succession(message.stream))
+                                  member_succession=self.member_succession(message.stream),
+                                  member_addition=self.addition(message.stream))

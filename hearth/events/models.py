@@ -22,7 +22,7 @@ from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN
 from hearth.protocol.mesh_protocol import max_mesh_protocol
 from hearth.protocol.chat_frames import VerificationOutcome
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, USER_PUBLIC_KEY_LENGTH
-from hearth.trust.roster import MEMBER_NAME_PATTERN
+from hearth.trust.roster import MEMBER_NAME_PATTERN, ROLES, TrustLevel
 
 _subject_token_re = re.compile(SUBJECT_TOKEN_PATTERN)
 
@@ -278,16 +278,23 @@ class IntegrityQuarantineCleared(_PipelineEvent):
     reason: Reason
 
 
-class MemberRemoved(EventEnvelope):
+class MemberChange(EventEnvelope):
+    """A steward's change to the community's members that marks a position in one stream's log (`stream`): published
+    on that stream's members subject (MEMBER_REMOVAL_SUBJECTS) and read, in stream order, by every process that
+    follows the log's removals, rotations and additions."""
+
+    member: str = Field(max_length=63, pattern=MEMBER_NAME_PATTERN)
+    public_key: str = Field(max_length=USER_PUBLIC_KEY_LENGTH, pattern=PUBLIC_KEY_PATTERN)
+    # The stream whose position this event marks: it counts only there (a copy stored elsewhere is rejected).
+    stream: Label
+
+
+class MemberRemoved(MemberChange):
     """A steward (a `system` member) removed `member` from the community: what `public_key` signed that `stream`
     stores after this event is not applied (hearth/events/signing.py). `hearth community remove` publishes one on
     each stream, so the removal is a position in the log, not a time on the steward's clock."""
 
     type: Literal["member.removed"] = "member.removed"
-    member: str = Field(max_length=63, pattern=MEMBER_NAME_PATTERN)
-    public_key: str = Field(max_length=USER_PUBLIC_KEY_LENGTH, pattern=PUBLIC_KEY_PATTERN)
-    # The stream whose position this event marks: it counts only there (a copy stored elsewhere is rejected).
-    stream: Label
 
 
 class MemberKeyRotated(MemberRemoved):
@@ -298,6 +305,17 @@ class MemberKeyRotated(MemberRemoved):
 
     type: Literal["member.key_rotated"] = "member.key_rotated"  # type: ignore[assignment]
     new_public_key: str = Field(max_length=USER_PUBLIC_KEY_LENGTH, pattern=PUBLIC_KEY_PATTERN)
+
+
+class MemberAdded(MemberChange):
+    """A steward (a `system` member) added `member` under `public_key` with `role` and `trust`, as `hearth community
+    add` wrote it in the roster: from this event's position in `stream` on, a reader whose roster copy does not name
+    the member yet takes it as the roster would (hearth/events/member_additions.py). The roles are those `add` gives
+    (never `system`)."""
+
+    type: Literal["member.added"] = "member.added"  # type: ignore[assignment]
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    trust: TrustLevel
 
 
 EVENT_CLASSES: tuple[type[EventEnvelope], ...] = (
@@ -318,6 +336,7 @@ EVENT_CLASSES: tuple[type[EventEnvelope], ...] = (
     IntegrityQuarantineCleared,
     MemberRemoved,
     MemberKeyRotated,
+    MemberAdded,
 )
 Event = Annotated[Union[EVENT_CLASSES], Field(discriminator="type")]  # type: ignore[valid-type]
 EVENT_TYPES: dict[str, type[EventEnvelope]] = {model.model_fields["type"].default: model for model in EVENT_CLASSES}

@@ -18,8 +18,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from hearth.events.member_additions import AdditionLookup, member_by_addition
 from hearth.events.member_keys import MemberSuccession, member_by_log
-from hearth.events.models import EventEnvelope, MemberRemoved
+from hearth.events.models import EventEnvelope, MemberChange
 from hearth.events.steward_keys import Succession, steward_by_log
 from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS, stream_for_subject
 from hearth.protocol.subjects import event_subject, shard_control_subject
@@ -48,7 +49,7 @@ REJECTION_REASONS: tuple[RejectionReason, ...] = (
 # rule.
 EMITTING_ROLE: dict[str, Role] = {"shard": "shard", "pipeline": "orchestrator", "integrity": "orchestrator"}
 EMITTING_ROLE_BY_TYPE: dict[str, Role] = {"integrity.quarantine_cleared": "system", "member.removed": "system",
-                                          "member.key_rotated": "system"}
+                                          "member.key_rotated": "system", "member.added": "system"}
 
 # How far an event's date may lead the broker's storage time ([events] max_clock_skew_s's default); a read model
 # without a verifier (an open mesh, a rebuild given no roster) judges heartbeats' dates by it too.
@@ -171,7 +172,8 @@ class EventVerifier:
     def rejection(self, event: EventEnvelope, *, received_at: datetime, stored_data: bytes = b"",
                   position: StreamPosition | None = None, removal_logged: bool = False,
                   steward_succession: Succession | None = None,
-                  member_succession: MemberSuccession | None = None) -> RejectionReason | None:
+                  member_succession: MemberSuccession | None = None,
+                  member_addition: AdditionLookup | None = None) -> RejectionReason | None:
         """Why `event` must not be applied, or None. `received_at` is when the broker stored it (the clock that
         bounds `occurred_at`); `stored_data` is the stored body the signature is checked over (without it, the
         event's own canonical bytes); `position` is where it is stored, which a removed member's cut on that stream
@@ -181,7 +183,9 @@ class EventVerifier:
         same stream's verified rotations named so far (hearth/events/steward_keys.py), so a signer the roster does
         not know yet is the steward when the log passed the roster's steward key on to it. `member_succession`: the
         member keys the same stream's verified rotations named so far (hearth/events/member_keys.py), so a signer the
-        roster does not know yet is the member whose roster key the log passed on to it."""
+        roster does not know yet is the member whose roster key the log passed on to it. `member_addition`: the
+        members the same stream's verified additions added so far (hearth/events/member_additions.py), so a signer
+        the roster does not know yet is the member the log added under its key."""
         if not event.signer or not event.signature:
             return "unsigned"
         if removal_logged:
@@ -196,6 +200,8 @@ class EventVerifier:
             member = steward_by_log(self._current_roster(), event.signer, steward_succession)
         if member is None and member_succession is not None:
             member = member_by_log(self._current_roster(), event.signer, member_succession)
+        if member is None and member_addition is not None:
+            member = member_by_addition(self._current_roster(), event.signer, member_addition(event.signer))
         if member is None:
             return "unknown_signer"
         if self._stored_before_it_began(event, received_at, position):
@@ -240,8 +246,8 @@ def stored_on_its_own_subject(event: EventEnvelope, position: StreamPosition) ->
     """Whether `event` is stored where its emitter publishes it: the signature covers the event, not where it went,
     and a member that may publish on one event subject must not have another's signed event counted again there (an
     orchestrator a shard host's in the pipelines stream, one host another's under its own node). A removal marks a
-    position only in the stream it names, on that stream's removal subject."""
-    if isinstance(event, MemberRemoved):
+    position only in the stream it names, on that stream's removal subject (so do a rotation and an addition)."""
+    if isinstance(event, MemberChange):
         expected = MEMBER_REMOVAL_SUBJECTS.get(event.stream)
         if event.stream != position.stream:
             return False

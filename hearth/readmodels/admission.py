@@ -11,7 +11,9 @@ rejects exactly what the live projection did.
 A rotation of the steward's own key is kept the same way (steward_keys): the key it names is the steward's on that
 stream from there on (hearth/events/steward_keys.py), before the roster file names it and after a restart. So is a
 rotation of another member's key (member_keys): the key it names is that member's on that stream from there on
-(hearth/events/member_keys.py), unless the roster file gives the member yet another key.
+(hearth/events/member_keys.py), unless the roster file gives the member yet another key. So is an addition
+(member_additions): the member it adds signs on that stream from there on (hearth/events/member_additions.py), unless
+the roster file knows its name or key otherwise.
 
 A pipeline is its builder's: once the pipelines stream has shown a pipeline's row, a `pipeline.*` event of it from
 another orchestrator is rejected (`node_mismatch`). Every orchestrator reads the pipelines stream, so it knows every
@@ -24,13 +26,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
+from hearth.events.member_additions import AdditionLookup, LoggedAddition, logged_addition
 from hearth.events.member_keys import MemberSuccession, passed_member_key
-from hearth.events.models import MemberRemoved
+from hearth.events.models import MemberAdded, MemberRemoved
 from hearth.events.signing import EventVerifier, RejectionReason, StreamPosition
 from hearth.events.steward_keys import Succession, passed_steward_key
 from hearth.readmodels.batch_rows import (
+    MEMBER_ADDITIONS,
     MEMBER_KEYS,
     MEMBER_REMOVALS,
     PIPELINES,
@@ -67,7 +72,8 @@ def rejection(verifier: EventVerifier | None, message: StoredEvent, rows: BatchR
                               position=StreamPosition(message.stream, message.seq, message.subject),
                               removal_logged=removal_logged,
                               steward_succession=steward_succession(message.stream, rows),
-                              member_succession=member_succession(message.stream, rows)) or pipeline_of_another(
+                              member_succession=member_succession(message.stream, rows),
+                              member_addition=member_addition(message.stream, rows)) or pipeline_of_another(
         event, rows)
 
 
@@ -95,6 +101,30 @@ def member_succession(stream: str, rows: BatchRows) -> MemberSuccession:
         row = rows.get(MEMBER_KEYS, (stream, public_key))
         return (row["succeeds"], row["member"]) if row is not None else None
     return succeeded
+
+
+def member_addition(stream: str, rows: BatchRows) -> AdditionLookup:
+    """The members `stream`'s log added so far (member_additions), by key."""
+    def added(public_key: str) -> LoggedAddition | None:
+        row = rows.get(MEMBER_ADDITIONS, (stream, public_key))
+        if row is None:
+            return None
+        return LoggedAddition(row["member"], row["role"], row["trust"],
+                              datetime.fromtimestamp(row["added_at"], timezone.utc))
+    return added
+
+
+def record_member_addition(event: MemberAdded, rows: BatchRows) -> None:
+    """Keep the first addition of a key and of a name on its stream (the verifier has checked that it is stored
+    there, signed by a steward key); one of a key or name the stream already knows is ignored."""
+    stream = event.stream
+    added = logged_addition(event, lambda key: held_here(stream, key, rows), lambda name: any(
+        row["stream"] == stream for row in rows.where(MEMBER_ADDITIONS, "member", name)))
+    if added is None:
+        return
+    rows.put(MEMBER_ADDITIONS, (stream, event.public_key), dict(
+        stream=stream, public_key=event.public_key, member=added.member, role=added.role, trust=added.trust,
+        event_id=event.event_id, added_at=epoch_s(added.added_at)))
 
 
 def record_member_removal(event: MemberRemoved, rows: BatchRows) -> None:
@@ -133,6 +163,6 @@ def record_member_key(event: MemberRemoved, rows: BatchRows) -> None:
 
 
 def held_here(stream: str, public_key: str, rows: BatchRows) -> bool:
-    """Whether `stream`'s log already retired `public_key` or named it as a steward's or member's key."""
+    """Whether `stream`'s log already retired `public_key`, named it as a steward's or member's key, or added it."""
     return any(rows.get(table, (stream, public_key)) is not None for table in (MEMBER_REMOVALS, STEWARD_KEYS,
-                                                                             MEMBER_KEYS))
+                                                                             MEMBER_KEYS, MEMBER_ADDITIONS))

@@ -92,6 +92,21 @@ class MemberKey(Base):
     rotated_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the steward says")
 
 
+class MemberAddition(Base):
+    """A member as one stream's log adds it: a verified `member.added` (signed by a steward key) makes its key that
+    member's there (hearth/events/member_additions.py), whatever the roster file says yet."""
+
+    __tablename__ = "member_additions"
+
+    stream: Mapped[str] = mapped_column(String, primary_key=True, comment="the stream whose log adds it")
+    public_key: Mapped[str] = mapped_column(String, primary_key=True, comment="the member's key")
+    member: Mapped[str] = mapped_column(String, nullable=False, comment="the member's name (node id)")
+    role: Mapped[str] = mapped_column(String, nullable=False, comment="its role, as the roster would give it")
+    trust: Mapped[str] = mapped_column(String, nullable=False, comment="its trust level, as the roster would give it")
+    event_id: Mapped[str] = mapped_column(String, nullable=False, comment="the addition that added it")
+    added_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the steward says")
+
+
 class AppliedEvent(Base):
     """An event a projection applied, by its id on its stream (hearth/readmodels/applied_events.py): a copy stored
     again past the broker's duplicate window is rejected `duplicate`, not counted twice. Kept as long as its stream's

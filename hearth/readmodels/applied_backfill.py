@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from hearth.events.consume import StoredEvent, read_stream
 from hearth.events.logged_keys import LoggedKeys
-from hearth.events.models import MemberRemoved
+from hearth.events.models import MemberChange
 from hearth.events.signing import EventVerifier
 from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS
 from hearth.readmodels.applied_events import keeps_id, record_applied
@@ -111,7 +111,7 @@ async def _removals(js, stream: str, position: int) -> list[StoredEvent]:
     if removal_subject is None:
         return []
     async with contextlib.aclosing(read_stream(js, stream, to_seq=position, subject_filter=removal_subject)) as items:
-        return [item async for item in items if isinstance(item, StoredEvent) and isinstance(item.event, MemberRemoved)]
+        return [item async for item in items if isinstance(item, StoredEvent) and isinstance(item.event, MemberChange)]
 
 
 class LoggedRemovals:

@@ -23,6 +23,7 @@ from hearth.readmodels.tables import (
     HostTokensDaily,
     IntegrityEvidence,
     KeptPrefixRecord,
+    MemberAddition,
     MemberKey,
     MemberRemoval,
     Pipeline,
@@ -50,6 +51,7 @@ KEPT_PREFIXES: Table = KeptPrefixRecord.__table__
 MEMBER_REMOVALS: Table = MemberRemoval.__table__
 STEWARD_KEYS: Table = StewardKey.__table__
 MEMBER_KEYS: Table = MemberKey.__table__
+MEMBER_ADDITIONS: Table = MemberAddition.__table__
 APPLIED_EVENTS: Table = AppliedEvent.__table__
 
 Row = dict[str, Any]
@@ -98,7 +100,7 @@ TABLE_SQL = {
     table.name: TableSql(table)
     for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, REJECTED_EVENT_COUNTS,
                   EVENT_COUNTS, HOST_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE, KEPT_PREFIXES,
-                  MEMBER_REMOVALS, STEWARD_KEYS, MEMBER_KEYS, APPLIED_EVENTS)
+                  MEMBER_REMOVALS, STEWARD_KEYS, MEMBER_KEYS, MEMBER_ADDITIONS, APPLIED_EVENTS)
 }
 
 

@@ -58,7 +58,7 @@ OLDER_THAN_LOG_RULES: tuple[OlderThanLogRule, ...] = (
       for stream in (SHARDS_STREAM, PIPELINES_STREAM)
       for table, column in (("rejected_events", "rejected_at"), ("rejected_event_counts", "minute"),
                             ("member_removals", "removed_at"), ("steward_keys", "rotated_at"),
-                            ("member_keys", "rotated_at"),
+                            ("member_keys", "rotated_at"), ("member_additions", "added_at"),
                             ("applied_events", "occurred_at"))),
 )
 

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 from sqlalchemy.orm import Session
 
 from hearth.events.clock_skew import ClockSkewReports
-from hearth.events.models import EventEnvelope, MemberRemoved, ShardHeartbeat
+from hearth.events.models import EventEnvelope, MemberAdded, MemberRemoved, ShardHeartbeat
 from hearth.events.signing import DEFAULT_MAX_CLOCK_SKEW_S, EventVerifier, RejectionReason
-from hearth.readmodels.admission import Rejection, record_member_removal, rejection
+from hearth.readmodels.admission import Rejection, record_member_addition, record_member_removal, rejection
 from hearth.readmodels.applied_events import (
     preload_applied,
     record_applied,
@@ -175,6 +175,10 @@ class ReadModelProjection:
     @handle.register
     def _member_removed(self, event: MemberRemoved, rows: BatchRows) -> None:
         record_member_removal(event, rows)  # the cut later events of its key on this stream are held to
+
+    @handle.register
+    def _member_added(self, event: MemberAdded, rows: BatchRows) -> None:
+        record_member_addition(event, rows)  # its key signs as the member on this stream from here on
 
 
 def _count_event(event: EventEnvelope, rows: BatchRows) -> None:

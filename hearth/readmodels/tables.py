@@ -16,6 +16,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 # Base.metadata (what Alembic and a rebuild read) and importable from this one place.
 from hearth.readmodels.admission_tables import (  # noqa: F401
     AppliedEvent,
+    MemberAddition,
     MemberKey,
     MemberRemoval,
     RejectedEvent,

@@ -8,14 +8,22 @@ TLS, the authorization block, the streams) are hearth/services/community_broker_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from datetime import datetime
-from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
+from typing import Annotated, Optional
 
 import typer
 
 from hearth.services.cli_options import CommunityNatsOption, settings
 from hearth.services.community_broker_cli import api_key_command, nats_config_command, streams_command, tls_command
+from hearth.services.community_cli_messages import (
+    BROKER_APPLIES_IT,
+    former_key_row,
+    addition_reaches_the_members,
+    warn_where_the_log_lacks_the_addition,
+    log_positions,
+    not_published,
+    rotation_reaches_the_members,
+    warn_where_the_log_lacks_it,
+)
 from hearth.services.community_cli_options import (
     DEFAULT_COMMUNITY_DIR,
     DEFAULT_READ_MODEL,
@@ -23,12 +31,6 @@ from hearth.services.community_cli_options import (
     ReadModelOption,
     fail,
 )
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from hearth.services.community_removal import PublishedRemoval
-    from hearth.trust.roster import Member, RemovalCut
 
 community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
                             rich_markup_mode=None,
@@ -57,6 +59,7 @@ def init_command(
 
 @community_app.command("add")
 def add_command(
+    ctx: typer.Context,
     name: Annotated[str, typer.Option("--name", help="Member name: its node id and inbox token ([A-Za-z0-9_-]).")],
     role: Annotated[str, typer.Option("--role", help="shard | orchestrator | projector | client | auditor")],
     trust: Annotated[Optional[str], typer.Option(
@@ -67,9 +70,17 @@ def add_command(
         "--public-key", help="The member's own nkey public key (U...), when it made its key itself; else a key "
                              "pair is generated and its seed written to keys/NAME.nk (mode 0600).")] = None,
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    nats_url: CommunityNatsOption = None,
+    offline: Annotated[bool, typer.Option(
+        "--offline", help="Change the roster only, publishing no addition event (no broker to reach): other "
+                          "households then take the member only once their roster copy names it.")] = False,
 ) -> None:
-    """Add a member to the roster. A broker run by `hearth nats --community DIR` lets it in within seconds; for
-    any other, render `hearth community nats-config` and reload the broker."""
+    """Add a member to the roster, then publish a signed member.added (the steward's system key) on each event
+    stream: other households' projectors, orchestrators and shard hosts take the member from the log before their
+    roster copy names it. A broker run by `hearth nats --community DIR` lets it in within seconds; for any other,
+    render `hearth community nats-config` and reload the broker."""
+    from hearth.services.community_addition import publish_community_addition
+    from hearth.services.community_removal import PublishedRemoval
     from hearth.trust.community import Community
     from hearth.trust.keys import KeyFileError
     from hearth.trust.roster import ROLES, TRUST_ORDER, RosterError
@@ -85,9 +96,16 @@ def add_command(
     except OSError as error:
         fail(f"cannot write the roster or the key in {directory}: {error.strerror}; nothing was added")
     member = added.member
+    published, why_not = PublishedRemoval(), None
+    if not offline:
+        try:  # the roster holds the member: a log that lacks it only means handing the roster out, as before
+            published = publish_community_addition(Community(directory), member, nats_url, settings(ctx))
+        except Exception as error:  # no system key, no broker, no streams: said in one line
+            why_not = str(error) or type(error).__name__
     where = f"; its key: {added.seed_file} (give it to {name}, then delete it here)" if added.seed_file else ""
     typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}. "
-               f"{_hand_out_the_roster(directory, member.name)}")
+               f"{addition_reaches_the_members(directory, member.name, log_positions(published.cuts, published))}")
+    warn_where_the_log_lacks_the_addition("hearth community add", published, why_not)
 
 
 @community_app.command("keygen")
@@ -160,17 +178,17 @@ def remove_command(
     except (RosterError, ApiKeyError, KeyFileError) as error:
         fail(str(error), command)
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
-        _not_published(error, command, cut_off="its events")
+        not_published(error, command, cut_off="its events")
     except OSError as error:  # the roster (or the API keys file) could not be written
         fail(f"{error.strerror}: {name} is still in the roster; run it again (it keeps the removal events "
               "already published)", command)
     member = removed.member
     deleted = f"; deleted {seed_file}" if seed_file else ""
-    where = _log_positions(removed.cuts, published)
+    where = log_positions(removed.cuts, published)
     logged = f"; its removal is at {where}" if where else ""
     typer.echo(f"removed {member.name} ({member.role}, {member.trust}), public key {member.public_key}{deleted}; "
                f"revoked its {api_keys} API keys{logged}. {BROKER_APPLIES_IT}")
-    _warn_where_the_log_lacks_it(command, published, offline, event="removal", cut_off="its events are")
+    warn_where_the_log_lacks_it(command, published, offline, event="removal", cut_off="its events are")
 
 
 @community_app.command("rotate-key")
@@ -210,10 +228,10 @@ def rotate_key_command(
     except (RosterError, KeyFileError, ValueError, EarlierRemovalDiffers) as error:
         fail(str(error), command)
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
-        _not_published(error, command, cut_off="the old key")
+        not_published(error, command, cut_off="the old key")
     except OSError as error:  # a seed or the roster could not be written: both are as they were
         fail(f"{error.strerror}: {name} keeps its old key; run it again", command)
-    where = _log_positions(rotated.retired.cuts, published) or "no stream (--offline)"
+    where = log_positions(rotated.retired.cuts, published) or "no stream (--offline)"
     steward = rotated.member.role == "system"
     handed = "keep it with the broker; never share it" if steward else f"give it to {name}, then delete it here"
     seed = f"; its new seed: {rotated.seed_file} ({handed})" if rotated.seed_file else ""
@@ -223,10 +241,10 @@ def rotate_key_command(
         deleted = "; it replaced the old key's seed there"
     else:
         deleted = f"; the old key's seed at {rotated.old_seed_deleted} is deleted"
-    handed_out = "" if steward else f" {_rotation_reaches_the_members(directory, name, bool(rotated.retired.cuts))}"
+    handed_out = "" if steward else f" {rotation_reaches_the_members(directory, name, bool(rotated.retired.cuts))}"
     typer.echo(f"rotated the key of {name}: retired {rotated.retired.public_key} (at {where}), now "
                f"{rotated.member.public_key}{seed}{deleted}. {BROKER_APPLIES_IT}{handed_out}")
-    _warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is")
+    warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is")
     if steward:
         typer.echo(f"The steward's key changed: copy {rotated.seed_file} and {directory / 'roster.json'} to every "
                    "machine that runs the broker or the steward's tooling, and restart every node of a cluster "
@@ -256,9 +274,9 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOpti
         note = f"  node held, none of its shards routed; QUARANTINED: {', '.join(shards)}" if shards else ""
         typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}{note}")
     for gone in roster.removed:
-        typer.echo(_former_key_row(gone.member, "removed", gone.member.public_key, gone.removed_at, gone.cuts))
+        typer.echo(former_key_row(gone.member, "removed", gone.member.public_key, gone.removed_at, gone.cuts))
     for holder, retired in roster.retirements():
-        typer.echo(_former_key_row(holder, "retired", retired.public_key, retired.retired_at, retired.cuts))
+        typer.echo(former_key_row(holder, "retired", retired.public_key, retired.retired_at, retired.cuts))
 
 
 @community_app.command("reputation")
@@ -324,64 +342,6 @@ def clear_quarantine_command(
                + (f"node {node} stays held (no shard of it is routed) while {', '.join(still)} "
                   f"{'is' if len(still) == 1 else 'are'} quarantined" if still else
                   "routers plan it again once their read model applies it"))
-
-
-def _hand_out_the_roster(directory: Path, name: str) -> str:
-    """What the steward does next after adding a member: every other machine checks signatures against its own
-    roster copy, which names the member's key only once it is handed over."""
-    return (f"Then hand the new roster.json ({directory / 'roster.json'}) to every member's machine: until its copy "
-            f"names {name}'s key, processes there reject that key's events, calls and opens (unknown_signer).")
-
-
-def _rotation_reaches_the_members(directory: Path, name: str, logged: bool) -> str:
-    """What the steward does next after a member's key changed: the member's own machine needs its new seed with the
-    roster naming it; every other machine's processes learn the new key from the rotation in the log (where a stream
-    took it), so handing the roster out is recommended, not needed for the mesh to keep working."""
-    roster = directory / "roster.json"
-    if not logged:
-        return (f"No stream took the rotation: hand the new roster.json ({roster}) to every member's "
-                f"machine; until its copy names {name}'s new key, processes there reject that key's events, calls and "
-                "opens (unknown_signer).")
-    return (f"Give {name}'s machine its new seed with the new roster.json ({roster}). Other members' projectors, "
-            f"orchestrators and shard hosts accept {name}'s new key from the rotation in the event log, before their "
-            "roster copy names it; handing the roster to every member is still recommended (a stream that did not "
-            "take the rotation, and a process started after the rotation aged out of the log, go by the roster).")
-
-
-# What the roster's change needs on the broker, said after a removal or a key's rotation.
-BROKER_APPLIES_IT = ("A broker run by `hearth nats --community` applies it at once; any other: render "
-                     "`hearth community nats-config` and reload it.")
-
-
-def _not_published(error: Exception, command: str, *, cut_off: str) -> NoReturn:
-    """The refusal of a removal or rotation whose event no stream took: nothing changed, and the two ways out."""
-    fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone "
-         f"(projections then cut {cut_off} off by this machine's clock)", command)
-
-
-def _log_positions(cuts: Sequence[RemovalCut], published: PublishedRemoval) -> str:
-    """Where the removal or rotation event is in each stream, naming those an earlier run published."""
-    earlier = {stream: " (published by an earlier run)" for stream in published.found}
-    return ", ".join(f"{cut.stream} #{cut.seq}{earlier.get(cut.stream, '')}" for cut in cuts)
-
-
-def _former_key_row(member: Member, status: str, public_key: str, since: datetime,
-                    cuts: Sequence[RemovalCut]) -> str:
-    """`list`'s row of a key that no longer counts: its member, why (removed, retired), since when and where."""
-    where = "".join(f", {cut.stream} #{cut.seq}" for cut in cuts)
-    return f"{member.name:24} {member.role:13} {status:8} {public_key}  at {since:%Y-%m-%d %H:%M:%S} UTC{where}"
-
-
-def _warn_where_the_log_lacks_it(command: str, published: PublishedRemoval, offline: bool, *, event: str,
-                                 cut_off: str) -> None:
-    """One warning for each stream that did not take the `event` event (or for --offline, none did): there the key
-    is cut off by the steward's clock, not by a position in the log."""
-    for stream, why in published.failures.items():
-        typer.echo(f"{command}: warning: {stream} did not take the {event} event ({why}): there, {cut_off} cut off "
-                   "by this machine's clock", err=True)
-    if offline:
-        typer.echo(f"{command}: warning: no {event} event published (--offline): {cut_off} cut off by this "
-                   "machine's clock", err=True)
 
 
 community_app.command("api-key")(api_key_command)

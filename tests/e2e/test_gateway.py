@@ -337,8 +337,8 @@ def test_hearth_community_api_key_prints_a_key_once_and_keeps_its_hash(tmp_path)
     hearth = [sys.executable, "-m", "hearth.services.cli", "community"]
     folder = tmp_path / "community"
     subprocess.run([*hearth, "init", "--name", "t", "--dir", str(folder)], check=True, capture_output=True)
-    subprocess.run([*hearth, "add", "--name", "erin", "--role", "client", "--dir", str(folder)], check=True,
-                   capture_output=True)
+    subprocess.run([*hearth, "add", "--name", "erin", "--role", "client", "--offline", "--dir", str(folder)],
+                   check=True, capture_output=True)
     made = subprocess.run([*hearth, "api-key", "--name", "erin", "--dir", str(folder)], capture_output=True,
                           text=True, check=True)
     api_key = made.stdout.strip()

@@ -220,7 +220,7 @@ def test_hearth_nats_applies_a_changed_roster_cutting_off_a_removed_member_and_l
         with pytest.raises(Exception, match="(?i)authorization"):
             await connect_as(alice_seed)
         added = cli.invoke(app, ["community", "add", "--name", "bob", "--role", "client",
-                                 "--dir", str(community.directory)])
+                                 "--offline", "--dir", str(community.directory)])
         assert added.exit_code == 0, added.output
         bob_seed = (community.directory / "keys" / "bob.nk").read_text()
         deadline = asyncio.get_running_loop().time() + ROSTER_APPLIED_WITHIN_S

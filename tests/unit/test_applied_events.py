@@ -65,7 +65,7 @@ def test_a_rejected_event_does_not_hold_its_id_against_the_real_one(tmp_path):
 
     class RejectsTheFirst:
         def rejection(self, event, *, received_at, stored_data=b"", position=None, removal_logged=False,
-                      steward_succession=None, member_succession=None):
+                      steward_succession=None, member_succession=None, member_addition=None):
             return "bad_signature" if position.seq == 1 else None
 
     engine = migrated_engine(tmp_path / "rm.db")

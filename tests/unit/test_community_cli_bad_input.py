@@ -87,7 +87,8 @@ def disk_full(*args, **kwargs):
 
 def test_an_add_whose_roster_write_fails_is_said_in_one_line(community, monkeypatch):
     monkeypatch.setattr(Roster, "save", disk_full)
-    refused_in_one_line(["add", "--name", "garage-pc", "--role", "shard", "--dir", str(community.directory)],
+    refused_in_one_line(["add", "--name", "garage-pc", "--role", "shard", "--offline", "--dir",
+                         str(community.directory)],
                         "No space left on device")
     # The key generated for it went with the roster write: nothing blocks adding it once there is room.
     assert not seed_path(community.directory, "garage-pc").exists()

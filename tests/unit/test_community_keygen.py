@@ -26,7 +26,8 @@ def test_a_key_made_on_the_members_machine_joins_through_add_public_key(tmp_path
 
     steward = Community.init(tmp_path / "hub" / "community", "elm-street")
     added = CliRunner().invoke(community_app, ["add", "--name", "attic-pc", "--role", "shard",
-                                               "--public-key", public_key, "--dir", str(steward.directory)])
+                                               "--public-key", public_key, "--offline", "--dir",
+                                               str(steward.directory)])
     assert added.exit_code == 0, added.output
     shutil.copy(steward.roster_path, attic / "roster.json")  # the steward hands the roster over
     assert load_identity(seed_file).member.name == "attic-pc"

@@ -299,9 +299,10 @@ def test_a_roster_without_rotations_lists_no_retired_rows(community):
     assert not any(" retired " in line for line in listed(community))
 
 
-def test_add_says_to_hand_the_roster_out(community):
-    """A machine whose roster copy lacks the new member rejects its events, calls and opens (`unknown_signer`)."""
-    result = run("add", "--name", "bob", "--role", "shard", "--dir", str(community.directory))
+def test_add_offline_says_to_hand_the_roster_out(community):
+    """With no addition in the log, a machine whose roster copy lacks the new member rejects its events, calls and
+    opens (`unknown_signer`)."""
+    result = run("add", "--name", "bob", "--role", "shard", "--offline", "--dir", str(community.directory))
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())
     assert "to every member's machine" in said and "hand the new roster.json (" in said and "unknown_signer" in said

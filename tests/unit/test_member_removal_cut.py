@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hearth.events.consume import StoredEvent
-from hearth.events.models import MemberRemoved, encode_event
+from hearth.events.models import MemberChange, MemberRemoved, encode_event
 from hearth.events.signing import EventVerifier, StreamPosition, sign_event
 from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS, PIPELINES_STREAM, SHARDS_STREAM
 from hearth.protocol.subjects import event_subject, shard_control_subject, shard_id_for
@@ -51,7 +51,7 @@ def removal(stream: str = SHARDS_STREAM, *, key: MemberKey = STEWARD, node: str 
 
 
 def stored(event, seq: int, stream: str = SHARDS_STREAM) -> StoredEvent:
-    subject = MEMBER_REMOVAL_SUBJECTS[event.stream] if isinstance(event, MemberRemoved) else event_subject(event)
+    subject = MEMBER_REMOVAL_SUBJECTS[event.stream] if isinstance(event, MemberChange) else event_subject(event)
     return StoredEvent(stream=stream, seq=seq, subject=subject, time=event.occurred_at, headers={}, event=event,
                        data=encode_event(event))
 

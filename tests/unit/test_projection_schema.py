@@ -21,7 +21,7 @@ def test_upgrade_creates_every_table_and_is_idempotent(tmp_path):
             assert connection.execute(text("PRAGMA journal_mode")).scalar() == "wal"
             assert connection.execute(text("PRAGMA synchronous")).scalar() == 1  # NORMAL
             assert connection.execute(text("PRAGMA busy_timeout")).scalar() > 0
-            assert connection.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0024"
+            assert connection.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0025"
     finally:
         engine.dispose()
 

@@ -47,7 +47,7 @@ class RejectsJunk:
     """A verifier that refuses every event claiming the junk node, as a roster refuses a non-member's."""
 
     def rejection(self, event, *, received_at, stored_data=b"", position=None, removal_logged=False,
-                      steward_succession=None, member_succession=None):
+                      steward_succession=None, member_succession=None, member_addition=None):
         return "unknown_signer" if event.node_id == JUNK_NODE else None
 
 

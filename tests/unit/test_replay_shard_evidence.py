@@ -80,7 +80,7 @@ class RejectsClearingsFromOrchestrators:
     """Stands in for the community's EventVerifier: a clearing not from the steward is refused."""
 
     def rejection(self, event, *, received_at, stored_data=b"", position=None, removal_logged=False,
-                  steward_succession=None, member_succession=None):
+                  steward_succession=None, member_succession=None, member_addition=None):
         return "role_may_not_emit" if event.type.endswith("quarantine_cleared") and event.node_id != "system" else None
 
 

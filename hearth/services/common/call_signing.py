@@ -3,7 +3,8 @@ an Ed25519 signature over subject, reply inbox, timestamp, nonce and body), and 
 signer against the roster, the trust it requires, the clock and the nonces it has seen. The steward's own key, and
 every member's, follow the rotations the event streams' logs show (hearth/events/steward_keys.py, caller_by_logs;
 hearth/events/member_keys.py, member_by_logs), when the checker is told of them
-(hearth/services/common/logged_steward_keys.py).
+(hearth/services/common/logged_steward_keys.py), and so does a member the logs added (hearth/events/member_additions.py,
+member_by_additions) before the roster copy names it.
 
 The signature covers the reply inbox, so a captured call replayed elsewhere cannot send its answer to a new
 place; the nonce cache (kept for twice the allowed clock skew) refuses a replay to the same place, and an
@@ -25,6 +26,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from hearth.events.clock_skew import ClockSkewReports, skew_in_words
+from hearth.events.member_additions import LoggedAddition, member_by_additions
 from hearth.events.member_keys import NamedMemberKey, member_by_logs
 from hearth.events.steward_keys import caller_by_logs
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, MemberKey, verify_b64
@@ -101,6 +103,8 @@ class CallVerifier:
     `logged_steward_keys`: the steward keys the event streams' logs named so far, each with the one it succeeded
     (None: the roster alone says whose key is the steward's); `logged_member_keys`: the other members' keys the logs'
     rotations named so far, each with the one it succeeded and its member (None: the roster alone says);
+    `logged_member_additions`: the members the logs' additions added so far, each with its key (None: the roster
+    alone says);
     `logged_retired_keys`: the keys the logs' removals and rotations retired so far, refused whatever the roster says
     (None: the roster alone says)."""
 
@@ -109,7 +113,8 @@ class CallVerifier:
                  caller_roles: tuple[Role, ...] | None = None,
                  logged_steward_keys: Callable[[], Iterable[tuple[str, str]]] | None = None,
                  logged_retired_keys: Callable[[], Collection[str]] | None = None,
-                 logged_member_keys: Callable[[], Iterable[NamedMemberKey]] | None = None) -> None:
+                 logged_member_keys: Callable[[], Iterable[NamedMemberKey]] | None = None,
+                 logged_member_additions: Callable[[], Iterable[tuple[str, LoggedAddition]]] | None = None) -> None:
         # A callable (given `recheck`: look at the roster file again now) is asked on every call: a long-running
         # orchestrator must know the members a steward added since it started.
         self._roster = roster if callable(roster) else (lambda recheck: roster)
@@ -122,6 +127,7 @@ class CallVerifier:
         self._logged_steward_keys = logged_steward_keys or tuple
         self._logged_retired_keys = logged_retired_keys or frozenset
         self._logged_member_keys = logged_member_keys or tuple
+        self._logged_member_additions = logged_member_additions or tuple
         self._skew_reports = ClockSkewReports()
 
     @property
@@ -171,6 +177,8 @@ class CallVerifier:
         member = caller_by_logs(self._roster(False), signer, named) or caller_by_logs(self._roster(True), signer, named)
         if member is None:  # perhaps a member's key the logs' rotation named, the roster copy not yet
             member = member_by_logs(self._roster(False), signer, self._logged_member_keys())
+        if member is None:  # perhaps a member the logs added, the roster copy not yet
+            member = member_by_additions(self._roster(False), signer, self._logged_member_additions())
         if member is None:
             return CallRefused("unknown_signer", f"the {self.signed}'s key is not a member of this community")
         signed = _signed_bytes(subject, reply, timestamp, headers[HEADER_CALLER_NONCE], body)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hearth.events.broker_clock import BrokerClockWatch
+from hearth.events.member_additions import member_named_by_additions
 from hearth.events.member_keys import current_key_by_logs
 from hearth.events.signing import EventVerifier, RosterFile
 from hearth.events.streams import StreamSetup
@@ -20,7 +21,7 @@ from hearth.services.common.identity import IdentityError, default_roster_for, l
 from hearth.services.common.kept_steward_keys import STEWARD_KEYS_FILE
 from hearth.services.common.logged_steward_keys import StewardKeysFromTheLog
 from hearth.trust.keys import MemberKey
-from hearth.trust.roster import CALLER_ROLES, Member
+from hearth.trust.roster import CALLER_ROLES, Member, Roster
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def logged_keys(steward_keys: StewardKeysFromTheLog | None) -> dict[str, Any]:
     if steward_keys is None:
         return {}
     return dict(logged_steward_keys=steward_keys.named, logged_retired_keys=steward_keys.retired_keys,
-                logged_member_keys=steward_keys.member_keys)
+                logged_member_keys=steward_keys.member_keys, logged_member_additions=steward_keys.member_additions)
 
 
 def open_verifier(settings: HearthSettings, steward_keys: StewardKeysFromTheLog | None = None) -> CallVerifier | None:
@@ -118,7 +119,7 @@ def node_membership(settings: HearthSettings,
     the roster file as it changes; None on an open mesh. A removed member's adverts stay in the read model until they
     expire, and its heartbeats stored before the removal keep it looking alive for a while: routing must not wait for
     either, nor for the household's roster copy. A key the logs rotated is no reason: its member serves on under the
-    new key (logged_key_of)."""
+    new key (logged_key_of). A member the logs added serves before the roster copy names it (logged_member)."""
     roster_file = community_roster_file(settings.nats)
     if roster_file is None:
         return None
@@ -128,7 +129,7 @@ def node_membership(settings: HearthSettings,
         current = roster.current()
         if current.by_name(node_id) is None:  # perhaps added since the file was last looked at
             current = roster.current(recheck_now=True)
-        member = current.by_name(node_id)
+        member = current.by_name(node_id) or logged_member(current, node_id, steward_keys)
         if member is not None:
             if steward_keys is not None and logged_key_of(member, steward_keys) is None:
                 return "its member's key was removed (the event log says so; this roster copy not yet)"
@@ -138,6 +139,13 @@ def node_membership(settings: HearthSettings,
         return "not a member of the community"
 
     return why_not_a_member
+
+
+def logged_member(roster: Roster, name: str, steward_keys: StewardKeysFromTheLog | None) -> Member | None:
+    """Member `name` as the logs `steward_keys` follows added it, where the roster copy does not name it yet."""
+    if steward_keys is None:
+        return None
+    return member_named_by_additions(roster, name, steward_keys.member_additions())
 
 
 def logged_key_of(member: Member, steward_keys: StewardKeysFromTheLog | None) -> str | None:
@@ -154,14 +162,15 @@ def member_public_keys(settings: HearthSettings,
                        steward_keys: StewardKeysFromTheLog | None = None) -> Callable[[str], str | None] | None:
     """On a community mesh, a member's public key by its name (a node's member: what an orchestrator seals an open's
     keys to, hearth/services/transport/key_seal.py), read from the roster file as it changes and followed through the
-    rotations the logs `steward_keys` follows show (logged_key_of); None on an open mesh."""
+    rotations the logs `steward_keys` follows show (logged_key_of), a member they added too; None on an open mesh."""
     roster_file = community_roster_file(settings.nats)
     if roster_file is None:
         return None
     roster = RosterFile(roster_file)
 
     def public_key_of(name: str) -> str | None:
-        member = roster.current().by_name(name) or roster.current(recheck_now=True).by_name(name)
+        member = roster.current().by_name(name) or roster.current(recheck_now=True).by_name(name) or \
+            logged_member(roster.current(), name, steward_keys)
         return logged_key_of(member, steward_keys) if member is not None else None
 
     return public_key_of

@@ -1,7 +1,7 @@
-"""The verified removals and key rotations a process learned from the event streams, kept in a file in its state
-folder: read at its next start before the streams, so that once one has aged out of them (shards keep 7 days,
-pipelines 30) a shard host or orchestrator still refuses every key they retired, whatever its roster copy says, and
-still counts the steward's rotated key as the steward's.
+"""The verified removals, key rotations and additions a process learned from the event streams, kept in a file in its
+state folder: read at its next start before the streams, so that once one has aged out of them (shards keep 7 days,
+pipelines 30) a shard host or orchestrator still refuses every key they retired, whatever its roster copy says, still
+counts the steward's rotated key as the steward's, and a member the log added as a member.
 
 The file holds each removal or rotation as the stream stored it (its signed body, stream, position and storage time),
 and is trusted only as far as the log itself would be: each is judged again, in stream order, by the verifier a
@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from hearth.events.consume import StoredEvent
 from hearth.events.logged_keys import LoggedKeys
-from hearth.events.models import MemberKeyRotated, MemberRemoved, decode_event
+from hearth.events.models import MemberChange, MemberKeyRotated, MemberRemoved, decode_event
 from hearth.events.signing import EventVerifier
 from hearth.events.steward_keys import max_chain_length
 from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS
@@ -67,8 +67,8 @@ class KeptRemoval(BaseModel):
         except binascii.Error as error:
             raise ValueError(f"body is not base64: {error}") from None
         event = decode_event(data)
-        if not isinstance(event, MemberRemoved):
-            raise ValueError("body is not a removal or key rotation")
+        if not isinstance(event, MemberChange):
+            raise ValueError("body is not a removal, key rotation or addition")
         return StoredEvent(stream=self.stream, seq=self.seq, subject=self.subject, time=self.stored_at, headers={},
                            event=event, data=data)
 
@@ -166,11 +166,22 @@ def trusted_removals(verifier: EventVerifier, removals: Iterable[KeptRemoval]) -
             continue
         if logged.rejection(verifier, message) is not None:
             continue
-        if logged.removal_logged(message.stream, message.event.public_key):
-            continue  # only the first removal of a key on a stream counts
+        if not counts_on_its_stream(logged, message.event):
+            continue  # only the first removal (or addition) of a key on a stream counts
         logged.record(message.event)
         kept.append(removal)
     return logged, kept
+
+
+def counts_on_its_stream(logged: LoggedKeys, event: MemberChange) -> bool:
+    """Whether `event`, verified, would count where `logged` stands: the first removal of its key on its stream, or an
+    addition of a key and name that stream has not known yet."""
+    if isinstance(event, MemberRemoved):
+        return not logged.removal_logged(event.stream, event.public_key)
+    trial = LoggedKeys(set(logged.removed), dict(logged.steward_keys), dict(logged.member_keys), dict(logged.additions))
+    trial.record(event)
+    return (event.stream, event.public_key) in trial.additions and (event.stream, event.public_key) not in \
+        logged.additions
 
 
 def load_kept_removals(path: Path, verifier: EventVerifier) -> tuple[LoggedKeys, list[KeptRemoval]]:

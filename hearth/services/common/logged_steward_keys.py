@@ -3,7 +3,8 @@ that checks signed calls or opens (an orchestrator's calls, a shard host's opens
 subject from its first message and follows it, judging each removal and rotation as a projection does
 (hearth/events/logged_keys.py), so the steward's rotation of its own key retires the old key for calls and opens, and
 names the new one, a member's key rotation retires its key for them and names its new one (member_keys), and a
-member's removal retires its key, with no new roster copy.
+member's removal retires its key, and a member's addition makes its key that member's (member_additions), with no new
+roster copy.
 What it learns it keeps in a file in the process's state folder, read first at its next start
 (hearth/services/common/kept_steward_keys.py): a removal or rotation that has aged out of the streams still counts."""
 
@@ -18,10 +19,16 @@ from typing import Any
 
 from hearth.events.consume import StoredEvent, read_stream
 from hearth.events.logged_keys import LoggedKeys
-from hearth.events.models import MemberRemoved
+from hearth.events.member_additions import LoggedAddition
+from hearth.events.models import MemberChange, MemberRemoved
 from hearth.events.signing import EventVerifier
 from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS
-from hearth.services.common.kept_steward_keys import KeptRemoval, load_kept_removals, write_kept_removals
+from hearth.services.common.kept_steward_keys import (
+    KeptRemoval,
+    counts_on_its_stream,
+    load_kept_removals,
+    write_kept_removals,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,11 @@ class StewardKeysFromTheLog:
         """Each member key (not the steward's) the logs or the kept file named so far: (it, the key it succeeded, the
         member), every stream's; CallVerifier's `logged_member_keys`."""
         return [*self._kept_keys.named_member_keys(), *self._logged.named_member_keys()]
+
+    def member_additions(self) -> list[tuple[str, LoggedAddition]]:
+        """Each member the logs or the kept file added so far, with its key, every stream's; CallVerifier's
+        `logged_member_additions`."""
+        return [*self._kept_keys.named_additions(), *self._logged.named_additions()]
 
     def retired_keys(self) -> frozenset[str]:
         """Every key a verified removal or rotation on any stream read so far, or in the kept file, retired: it signs
@@ -123,13 +135,14 @@ class StewardKeysFromTheLog:
     def _take_in(self, message: Any) -> bool:
         """Judge and record a removal read from a stream; True when it counted there (verified, and the first of its
         key on its stream): it is then added to what the kept file is to hold."""
-        if not isinstance(message, StoredEvent) or not isinstance(message.event, MemberRemoved):
+        if not isinstance(message, StoredEvent) or not isinstance(message.event, MemberChange):
             return False
         if self._logged.rejection(self._verifier, message) is not None:
             return False
-        if self._logged.removal_logged(message.stream, message.event.public_key):
+        if not counts_on_its_stream(self._logged, message.event):
             return False
-        newly_retired = message.event.public_key not in self.retired_keys()
+        newly_retired = isinstance(message.event, MemberRemoved) and \
+            message.event.public_key not in self.retired_keys()
         self._logged.record(message.event)
         if newly_retired:
             for listener in self.retirement_listeners:

@@ -29,9 +29,10 @@ _duration_part_re = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _duration_units_s = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _EVENT_FAMILIES = sorted({event_type.split(".", 1)[0] for event_type in EVENT_TYPES})
 # Types and families published on subjects of their own rather than under their family's (event_subject): a member's
-# removal (or key rotation) goes on one subject in each stream.
-_OWN_SUBJECTS: dict[str, tuple[str, ...]] = {name: tuple(MEMBER_REMOVAL_SUBJECTS.values())
-                                             for name in ("member.removed", "member.key_rotated", "member")}
+# removal, key rotation or addition goes on one subject in each stream.
+_OWN_SUBJECTS: dict[str, tuple[str, ...]] = {
+    name: tuple(MEMBER_REMOVAL_SUBJECTS.values())
+    for name in ("member.removed", "member.key_rotated", "member.added", "member")}
 
 
 class QueryError(ValueError):

@@ -23,7 +23,7 @@ from hearth.events.models import (
     IntegrityMismatchDisputed,
     IntegrityQuarantineCleared,
     IntegrityShardsVerified,
-    MemberRemoved,
+    MemberChange,
 )
 from hearth.events.logged_keys import LoggedKeys
 from hearth.events.signing import EventVerifier
@@ -79,7 +79,7 @@ async def read_shard_log(js: Any, shard: str, key: str) -> tuple[list[StoredEven
         async with contextlib.aclosing(read_stream(js, PIPELINES_STREAM, subject_filter=filters)) as items:
             outcomes = [item async for item in items if isinstance(item, StoredEvent)
                         and (names_shard(item.event, shard, key) or shapes_quarantines(item.event)
-                             or isinstance(item.event, MemberRemoved))]
+                             or isinstance(item.event, MemberChange))]
     return own, outcomes
 
 
@@ -118,7 +118,7 @@ def evidence_lines(shard_id: str, outcomes: Sequence[StoredEvent], verifier: Eve
         event = item.event
         when = f"  {format_time(event.occurred_at)}"
         rejection = logged.rejection(verifier, item) if verifier is not None else None
-        if isinstance(event, MemberRemoved):  # not shown: it cuts a key off, or names the steward's next one
+        if isinstance(event, MemberChange):  # not shown: it cuts a key off, names a key, or adds a member
             if rejection is None:
                 logged.record(event)
             continue

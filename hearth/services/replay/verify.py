@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hearth.events.consume import SkippedMessage, read_stream
-from hearth.events.models import MemberRemoved
+from hearth.events.models import MemberChange
 from hearth.events.signing import EventVerifier
 from hearth.events.logged_keys import LoggedKeys
 from hearth.readmodels.applied_events import DUPLICATE, TOO_OLD, keeps_id, older_than_kept
@@ -125,7 +125,7 @@ def _verdict(verifier: EventVerifier, message: Any, logged: LoggedKeys, passed: 
     # live projection.
     reason = logged.rejection(verifier, message) or passed.repeat(message)
     if reason is None:
-        if isinstance(event, MemberRemoved):
+        if isinstance(event, MemberChange):
             logged.record(event)
         return None
     return BadEvent(message.stream, message.seq, reason, event_type=event.type, event_id=event.event_id,
