@@ -11,6 +11,9 @@ from hearth.events.streams import ALL_STREAMS, MEMBER_REMOVAL_SUBJECTS, streams_
 from hearth.services.community_removal import PublishedRemoval, RemovalLog, steward_removal_log
 from hearth.trust.roster import SYSTEM_MEMBER, Member, RemovalCut
 
+# How long `add` tries the configured broker when no --nats names one.
+unnamed_broker_connect_timeout_s = 2.0
+
 if TYPE_CHECKING:
     from hearth.events.models import MemberAdded
     from hearth.services.common.config import HearthSettings
@@ -61,8 +64,12 @@ def publish_community_addition(community: Community, member: Member, nats_url: s
     if not community.system_key_path.is_file():
         raise KeyFileError(f"{community.system_key_path} does not exist: only the steward, with the community's "
                            "system key, publishes an addition")
-    nats = settings.nats.model_copy(update={"url": nats_url or settings.nats.url,
-                                            "roster_file": community.roster_path})
+    update: dict[str, object] = {"url": nats_url or settings.nats.url, "roster_file": community.roster_path}
+    if nats_url is None:
+        # No broker named: a steward adding its first members usually has none running yet, and the roster alone
+        # is the addition then; a short try keeps each `add` from waiting out the full connect timeout.
+        update["connect_timeout_s"] = min(settings.nats.connect_timeout_s, unnamed_broker_connect_timeout_s)
+    nats = settings.nats.model_copy(update=update)
 
     async def publish() -> PublishedRemoval:
         async with steward_removal_log(nats, community.system_key_path) as addition_log:

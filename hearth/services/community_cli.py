@@ -77,8 +77,9 @@ def add_command(
 ) -> None:
     """Add a member to the roster, then publish a signed member.added (the steward's system key) on each event
     stream: other households' projectors, orchestrators and shard hosts take the member from the log before their
-    roster copy names it. A broker run by `hearth nats --community DIR` lets it in within seconds; for any other,
-    render `hearth community nats-config` and reload the broker."""
+    roster copy names it (with no --nats, the configured broker is tried for 2 s: none running yet, as while a
+    community is set up, leaves the addition to the roster alone). A broker run by `hearth nats --community DIR` lets
+    it in within seconds; for any other, render `hearth community nats-config` and reload the broker."""
     from hearth.services.community_addition import publish_community_addition
     from hearth.services.community_removal import PublishedRemoval
     from hearth.trust.community import Community

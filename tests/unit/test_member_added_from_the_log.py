@@ -154,3 +154,21 @@ def test_the_follower_membership_and_sealing_follow_the_addition_and_keep_it_acr
     assert asyncio.run(follow([])) == ("role_may_not_call", None, GARAGE.public_key)  # kept: aged out of the log
     refused, membership, sealed = asyncio.run(follow(log))  # a later removal wins
     assert refused == "unknown_signer" and membership is not None and "removed" in membership and sealed is None
+
+
+def test_an_add_with_no_broker_named_tries_the_configured_one_briefly(tmp_path, monkeypatch):
+    """A steward adding its first members usually runs no broker yet: with no --nats, `add` tries the configured
+    broker for a short while (not [nats] connect_timeout_s, 10 s, for every member) and says the roster alone holds
+    the addition."""
+    from typer.testing import CliRunner
+
+    from hearth.services.cli import app
+    from tests.unit.test_community_removal import unused_port
+
+    monkeypatch.setenv("HEARTH_NATS_URL", f"nats://127.0.0.1:{unused_port()}")  # nothing listens there
+    community = tmp_path / "community"
+    assert CliRunner().invoke(app, ["community", "init", "--dir", str(community), "--name", "hub"]).exit_code == 0
+    added = CliRunner().invoke(app, ["community", "add", "--dir", str(community), "--name", "alice",
+                                     "--role", "client"])
+    assert added.exit_code == 0, added.output
+    assert "the addition was not published" in added.output and "within 2 s" in added.output, added.output
