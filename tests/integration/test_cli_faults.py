@@ -321,21 +321,21 @@ def test_a_stop_ends_hearth_demo_and_everything_it_started(state, started):
 
 @needs_model
 @pytest.mark.parametrize(
-    ("layers", "env", "expected"),
+    ("layers", "env", "expected", "exit_code"),
     [
-        ("0-5", {"HEARTH_SHARD__SERVE_SHARDS": "false"}, "serve_shards = false"),
+        ("0-5", {"HEARTH_SHARD__SERVE_SHARDS": "false"}, "serve_shards = false", 1),
         # The old place of [shard] max_memory_mb, still accepted.
         ("0-5", {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__SHARD_MAX_MEMORY_MB": "1"},
-         "MB KV reserve), more than [shard] max_memory_mb = 1.0 MB"),
-        ("0-9", {}, "layer range 0-9 is not inside 0-5"),
+         "MB KV reserve), more than [shard] max_memory_mb = 1.0 MB", 1),
+        ("0-9", {}, "layer range 0-9 is not inside 0-5", 2),  # the command line's own fault: bad input
     ],
     ids=["serve-shards-false", "over-memory-limit", "range-outside-model"],
 )
-def test_a_shard_that_may_not_serve_says_why_in_one_line(layers, env, expected):
+def test_a_shard_that_may_not_serve_says_why_in_one_line(layers, env, expected, exit_code):
     completed = subprocess.run([HEARTH, "shard", "--model", str(MODEL), "--layers", layers, "--nats",
                                 "nats://127.0.0.1:9"], capture_output=True, text=True, env={**ENV, **env},
                                timeout=exit_timeout_s, cwd=REPO_ROOT)
-    assert completed.returncode == 1, completed.stderr
+    assert completed.returncode == exit_code, completed.stderr
     said = [line for line in completed.stderr.splitlines() if not LOG_RECORD.match(line)]
     assert len(said) == 1 and said[0].startswith("hearth shard: ") and expected in said[0], completed.stderr
     assert "Traceback" not in completed.stderr

@@ -75,7 +75,7 @@ def test_sigkill_reports_the_signal_and_each_child_has_its_own_pid(cluster, tmp_
 def test_a_failing_command_exits_with_its_status_and_message(cluster, tmp_path):
     with pytest.raises(ClusterError) as refused:
         cluster.start_shard(str(tmp_path / "no-such-model"), 0, 1, node_id="host0")
-    assert "exited with 1" in str(refused.value)
+    assert "exited with 2" in str(refused.value)  # a model that is not there: bad input
     assert "no-such-model" in str(refused.value)
     # Only what the command printed, as from a fresh process: no warning of the fork's own start above its line.
     assert "RuntimeWarning" not in str(refused.value), refused.value

@@ -219,7 +219,8 @@ def call_of(prompt: list[int], generated: list[int] = ()) -> SimpleNamespace:
     return SimpleNamespace(model=SimpleNamespace(model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA,
                                                  head=SimpleNamespace(rope_switch_tokens=None, info=MODEL_INFO)),
                            caller=None,
-                           request=SimpleNamespace(params=SimpleNamespace(verify="sampled"), max_tokens=4),
+                           request=SimpleNamespace(params=SimpleNamespace(verify="sampled"), max_tokens=4,
+                                                   most_tokens=4),
                            known_ids=known, next_position=len(known), prompt_ids=list(prompt),
                            quantization=None, excluded={})
 

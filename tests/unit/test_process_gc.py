@@ -63,11 +63,12 @@ def test_the_hearth_command_holds_full_collections_back_until_its_loop_starts_an
     assert completed.stdout.splitlines()[-1] == f"at exit {gc.get_threshold()[2]} True", completed.stdout
 
 
-def test_hearth_nats_freezes_once_it_serves_without_an_event_loop(restored_gc):
+def test_hearth_nats_freezes_once_it_serves_without_an_event_loop(restored_gc, tmp_path):
     from hearth.services import nats_cli
 
     class StoppedServers:
         stopped = False
+        store_dir = tmp_path  # where the store's full-disk watch reads the server's log (none here)
 
         def is_running(self) -> bool:
             return True

@@ -17,6 +17,16 @@ from hearth.readmodels.rebuild import diff_databases
 from hearth.services.cli import app
 
 
+def _head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(readmodel_db.alembic_config()).get_current_head()
+
+
+# The newest migration: what an upgrade ends at.
+HEAD_REVISION = _head_revision()
+
+
 def table_sql(path, name: str) -> str:
     with contextlib.closing(sqlite3.connect(path)) as connection:
         return connection.execute("SELECT sql FROM sqlite_master WHERE name = ?", (name,)).fetchone()[0]
@@ -44,7 +54,7 @@ def test_a_migration_that_fails_midway_leaves_the_file_at_its_old_revision_and_a
     with contextlib.closing(sqlite3.connect(path)) as connection, connection:
         connection.execute("DROP INDEX ix_shard_reputation_quarantined_by")
     upgrade_database(path)  # was: "duplicate column name: quarantined_by", for good
-    assert schema_revision(path) == "0023"
+    assert schema_revision(path) == HEAD_REVISION
     with contextlib.closing(sqlite3.connect(path)) as connection:
         assert connection.execute("SELECT shard_id, checks FROM shard_reputation").fetchall() == [("s1", 3)]
 
@@ -130,7 +140,7 @@ def test_an_empty_file_is_still_migrated(tmp_path):
     path = tmp_path / "empty.db"
     path.write_bytes(b"")
     upgrade_database(path)
-    assert schema_revision(path) == "0023"
+    assert schema_revision(path) == HEAD_REVISION
 
 
 def test_a_diff_against_a_file_without_a_schema_revision_names_it(tmp_path):
@@ -185,7 +195,7 @@ def test_an_upgrade_after_a_full_disk_completes_once_there_is_room(tmp_path):
     finally:
         event.remove(Engine, "connect", cap)
     upgrade_database(path)
-    assert schema_revision(path) == "0023"
+    assert schema_revision(path) == HEAD_REVISION
 
 
 def test_upgrade_of_a_file_another_writer_holds_is_one_line(tmp_path, monkeypatch):
@@ -197,7 +207,7 @@ def test_upgrade_of_a_file_another_writer_holds_is_one_line(tmp_path, monkeypatc
             upgrade_database(path)
         writer.execute("ROLLBACK")
     upgrade_database(path)
-    assert schema_revision(path) == "0023"
+    assert schema_revision(path) == HEAD_REVISION
 
 
 def test_a_diff_against_a_file_damaged_in_a_table_is_refused_naming_it(tmp_path):
