@@ -92,7 +92,7 @@ async def test_chat_result_ends_a_hostile_orchestrator_s_answer_at_max_tokens(na
     finally:
         await client.close()
         await hostile.close()
-    assert result.text == "okok" and not result.ok
+    assert result.text == "okok" and not result.ok, result.error
     assert (result.error.code, result.error.seq) == ("internal_error", 2)
     assert result.error.message.startswith("the orchestrator sent choice 0 more token frames than the request's "
                                            "max_tokens 2")
