@@ -150,6 +150,13 @@ async def test_a_partitioned_nats_node_loses_no_event_and_rejoins(bed, mesh, tmp
             assert call.token_ids == solo.token_ids
             assert call.of_type("shard_status") == [] and call.of_type("shard_failover") == []
             events = await pipeline_events(nc, call.pipeline_id)
+            # Just after the heal, a read served by the node that rejoined may not hold yet what the wait for the
+            # call's end saw stored: read again, for a while, until the completed shows.
+            for _ in range(50):
+                if any(item.event.type == "pipeline.completed" for item in events):
+                    break
+                await asyncio.sleep(0.2)
+                events = await pipeline_events(nc, call.pipeline_id, ended=False)
             # Ended completed, once, after all else it recorded. By its time, not by stream order: once, a first_token
             # whose publish went through a leader change was stored after the completed (the read model keeps a
             # terminal status whatever comes after it).
