@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hearth.events.streams import ALL_STREAMS, MEMBER_REMOVAL_SUBJECTS, streams_missing
-from hearth.services.community_removal import PublishedRemoval, RemovalLog, steward_removal_log
-from hearth.trust.roster import SYSTEM_MEMBER, Member, RemovalCut
+from hearth.events.streams import ALL_STREAMS, streams_missing
+from hearth.services.community_removal import (
+    PublishedRemoval, RemovalLog, publish_member_change, steward_removal_log,
+)
+from hearth.trust.roster import SYSTEM_MEMBER, Member
 
 # How long `add` tries the configured broker when no --nats names one.
 unnamed_broker_connect_timeout_s = 2.0
@@ -40,17 +42,7 @@ async def publish_addition(member: Member, steward_key: MemberKey, addition_log:
         raise streams_missing(missing, addition_log.where)
     published = PublishedRemoval()
     for stream in streams:
-        event = addition_event(member, stream, steward_key)
-        try:
-            subject = MEMBER_REMOVAL_SUBJECTS[stream]
-            stored_in, seq, stored_at = await addition_log.publish(event, subject)  # type: ignore[arg-type]
-        except Exception as error:  # that stream refused or did not answer: the others may still take it
-            published.failures[stream] = str(error) or type(error).__name__
-            continue
-        if stored_in != stream:
-            published.failures[stream] = f"the broker stored it in {stored_in}"
-            continue
-        published.cuts.append(RemovalCut(stream=stream, seq=seq, event_id=event.event_id, stored_at=stored_at))
+        await publish_member_change(addition_event(member, stream, steward_key), stream, addition_log, published)
     return published
 
 

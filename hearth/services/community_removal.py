@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
 
     from hearth.events.consume import SkippedMessage, StoredEvent
-    from hearth.events.models import MemberRemoved
+    from hearth.events.models import MemberChange, MemberRemoved
     from hearth.events.signing import EventVerifier
     from hearth.services.common.config import HearthSettings, NatsSettings
     from hearth.trust.community import Community
@@ -44,7 +44,7 @@ class RemovalLog(Protocol):
     async def removals(self, stream: str) -> list[StoredEvent | SkippedMessage]:
         """The messages `stream` holds on its removal subject, oldest first."""
 
-    async def publish(self, event: MemberRemoved, subject: str) -> tuple[str, int, datetime | None]:
+    async def publish(self, event: MemberChange, subject: str) -> tuple[str, int, datetime | None]:
         """Publish one signed event on `subject`: where and when the broker stored it (stream, sequence, the
         broker's storage time, None when it could not be read back)."""
 
@@ -139,6 +139,21 @@ def first_removal(member: Member, stream: str, messages: Sequence[StoredEvent | 
     return None
 
 
+async def publish_member_change(event: MemberChange, stream: str, member_log: RemovalLog,
+                                published: PublishedRemoval) -> None:
+    """Put the signed `event` (a member's removal, rotation or addition) on `stream`'s members subject: its place there
+    goes to `published.cuts`, or why that stream did not take it to `published.failures` (the others may still)."""
+    try:
+        stored_in, seq, stored_at = await member_log.publish(event, MEMBER_REMOVAL_SUBJECTS[stream])
+    except Exception as error:  # that stream refused or did not answer: the others may still take it
+        published.failures[stream] = str(error) or type(error).__name__
+        return
+    if stored_in != stream:
+        published.failures[stream] = f"the broker stored it in {stored_in}"
+        return
+    published.cuts.append(RemovalCut(stream=stream, seq=seq, event_id=event.event_id, stored_at=stored_at))
+
+
 async def publish_removal(member: Member, steward_key: MemberKey, removal_log: RemovalLog, verifier: EventVerifier,
                           streams: tuple[str, ...] = ALL_STREAMS,
                           make_event: RemovalEventMaker = removal_event,
@@ -172,16 +187,7 @@ async def publish_removal(member: Member, steward_key: MemberKey, removal_log: R
         since = earlier.event.occurred_at
         published.found_since = min(published.found_since or since, since)
     for stream in unpublished:
-        event = make_event(member, stream, steward_key)
-        try:
-            stored_in, seq, stored_at = await removal_log.publish(event, MEMBER_REMOVAL_SUBJECTS[stream])
-        except Exception as error:  # that stream refused or did not answer: the others may still take it
-            published.failures[stream] = str(error) or type(error).__name__
-            continue
-        if stored_in != stream:
-            published.failures[stream] = f"the broker stored it in {stored_in}"
-            continue
-        published.cuts.append(RemovalCut(stream=stream, seq=seq, event_id=event.event_id, stored_at=stored_at))
+        await publish_member_change(make_event(member, stream, steward_key), stream, removal_log, published)
     if not published.cuts:
         reasons = "; ".join(f"{stream}: {why}" for stream, why in published.failures.items())
         raise RemovalNotPublished(f"no event stream took the removal ({reasons})")
@@ -212,7 +218,7 @@ class BrokerRemovalLog:
         async with asyncio.timeout(removal_lookup_timeout_s):
             return await read()
 
-    async def publish(self, event: MemberRemoved, subject: str) -> tuple[str, int, datetime | None]:
+    async def publish(self, event: MemberChange, subject: str) -> tuple[str, int, datetime | None]:
         from hearth.events.publish import publish_event
 
         ack = await publish_event(self._js, event, subject=subject)
