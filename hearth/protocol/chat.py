@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hearth.protocol.chat_tools import ResponseFormat, ToolCallList, ToolChoice, ToolList
+from hearth.protocol.chat_tools import ResponseFormat, ToolCallList, ToolChoice, ToolList, max_tool_call_id_chars
 from hearth.protocol.quantization_labels import QuantizationLabel
 from hearth.protocol.refusals import (
     FieldsDisagree, RefusalReason, describe_validation_error, refused_field, validation_reason,
@@ -72,7 +72,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = Field(default="", max_length=max_prompt_chars)
     tool_calls: ToolCallList | None = Field(default=None, exclude_if=is_none)
-    tool_call_id: str | None = Field(default=None, min_length=1, max_length=128, exclude_if=is_none)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=max_tool_call_id_chars, exclude_if=is_none)
 
     @model_validator(mode="after")
     def _tool_fields_on_their_roles(self) -> "ChatMessage":

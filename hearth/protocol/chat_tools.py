@@ -20,6 +20,7 @@ max_tools = 64
 max_tool_description_chars = 4096
 max_tool_call_arguments_chars = 65_536
 max_tool_calls_per_message = 64
+max_tool_call_id_chars = 128
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
@@ -113,7 +114,8 @@ class NamedToolChoice(BaseModel):
 
 
 # `none`: text only; `auto`: text or a call; `required`: a call of any tool; a named function: a call of that one.
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ToolChoiceMode = Literal["none", "auto", "required"]
+ToolChoice = ToolChoiceMode | NamedToolChoice
 
 
 class FunctionCall(BaseModel):
@@ -142,7 +144,7 @@ class ToolCall(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(min_length=1, max_length=128)
+    id: str = Field(min_length=1, max_length=max_tool_call_id_chars)
     type: Literal["function"] = "function"
     function: FunctionCall
 

@@ -228,7 +228,6 @@ async def test_each_hearth_option_maps_onto_its_params_field(gateway, option, va
     ({"quantization": "int4/g0"}, "hearth.quantization"),
     ({"verify": "most"}, "hearth.verify"),
     ({"verify": 1}, "hearth.verify"),
-    ({"verfy": "all"}, "hearth.verfy"),
     ("all", "hearth"),
 ])
 async def test_a_bad_hearth_option_is_a_400_naming_it(gateway, hearth, param):

@@ -42,6 +42,7 @@ from hearth.services.gateway.http_metrics import CLIENT_CLOSED_STATUS, MODEL_ROU
 from hearth.services.gateway.mesh import ClientGone, Gateway, MeshCall, unless_disconnected
 from hearth.services.gateway.openai_answers import ModelCard, ModelList
 from hearth.services.gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from hearth.services.gateway.openai_parts import unknown_parameter
 
 log = logging.getLogger(__name__)
 # What a browser page from an allowed origin may do ([gateway] cors_allowed_origins): the headers are those OpenAI's
@@ -200,7 +201,7 @@ class GatewayApp(AnswerDelivery):
         try:
             return body_model.model_validate_json(data)
         except ValidationError as error:
-            raise refusal_of(BadRequest.of_validation(error)) from None
+            raise refusal_of(unknown_parameter(error, data) or BadRequest.of_validation(error)) from None
 
 
 def _identified(response: Response, request_id: str | None) -> Response:

@@ -23,6 +23,7 @@ from hearth.protocol.refusals import (
     ARRAY_TOO_LONG, CONTEXT_EXCEEDED, OVER_MAX_REQUEST_BYTES, STRING_TOO_LONG, RefusalReason,
 )
 from hearth.services.gateway.openai_answers import ErrorBody, ErrorDetail
+from hearth.services.gateway.openai_parts import UnknownParameter
 from hearth.services.gateway.retry_hints import spread
 
 # Error codes of the mesh (ErrorCode in protocol.chat_frames) -> (HTTP status, OpenAI error type); the rest are 500.
@@ -113,7 +114,10 @@ def refused(message: str, param: str | None = None, reason: RefusalReason | None
 
 
 def refusal_of(error: BadRequest) -> GatewayError:
-    """The answer to a request the gateway refused itself (`error`'s field and reason as it names them)."""
+    """The answer to a request the gateway refused itself (`error`'s field and reason as it names them); a key
+    OpenAI's API does not know has OpenAI's code for it."""
+    if isinstance(error, UnknownParameter):
+        return GatewayError(400, "unknown_parameter", str(error), param=error.param)
     return refused(str(error), error.param, error.reason)
 
 

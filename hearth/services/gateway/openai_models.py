@@ -4,27 +4,27 @@ hearth's `llm.chat.request` (the objects and stream chunks it answers with are o
 Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` over 8,
 the legacy `functions`, `audio`, `moderation`, a content part that is no text) is refused with a message naming it,
 rather than silently ignored; OpenAI's fields that change nothing (`user`, `metadata`, `store`) are accepted, and a
-field OpenAI's API does not know (misspelt, another server's extension) is refused as OpenAI refuses it. `n` (1-8)
-asks for that many choices, each its own pipeline. `response_format`, `tools` and `tool_choice` go onto the request
-as they are (hearth/protocol/chat_tools.py bounds them); assistant messages with `tool_calls` and `tool` messages
-are part of the history. `logprobs`/`top_logprobs`, the penalties (`repetition_penalty` too, an extension, as is
-`top_k`) and `logit_bias` go onto the request as they are (its validation bounds them, a refusal naming the field).
-Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` left out stays out (the answer runs to hearth's
-128 tokens or the context's end, whichever comes first). hearth's own options, which no other server shares, come in
-one object `hearth` (`{"hearth": {"verify": "all"}}`), so they cannot collide with a field OpenAI adds, and a
-misspelt one is refused rather than ignored.
+field OpenAI's API does not know (misspelt, another server's extension), at the top level or inside one of its
+objects (openai_parts.py), is refused as OpenAI refuses it. `n` (1-8) asks for that many choices, each its own
+pipeline. `response_format`, `tools` and `tool_choice` go onto the request as hearth's (hearth/protocol/chat_tools.py
+bounds them); assistant messages with `tool_calls` and `tool` messages are part of the history.
+`logprobs`/`top_logprobs`, the penalties (`repetition_penalty` too, an extension, as is `top_k`) and `logit_bias` go
+onto the request as they are (its validation bounds them, a refusal naming the field). Sampling defaults are
+OpenAI's (temperature 1, top_p 1); `max_tokens` left out stays out (the answer runs to hearth's 128 tokens or the
+context's end, whichever comes first). hearth's own options, which no other server shares, come in one object
+`hearth` (`{"hearth": {"verify": "all"}}`), so they cannot collide with a field OpenAI adds, and a misspelt one is
+refused rather than ignored.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hearth.protocol.chat import (
     BadRequest,
-    ChatMessage,
     ChatParams,
     ChatRequest,
     VerifyLevel,
@@ -35,76 +35,25 @@ from hearth.protocol.chat import (
     max_tokens_limit,
     max_top_logprobs,
 )
+from hearth.protocol.chat_tools import ResponseFormat, ToolChoiceMode
 from hearth.protocol.quantization_labels import QuantizationLabel
-from hearth.protocol.refusals import RefusalReason, array_too_long, max_param_chars
+from hearth.protocol.refusals import array_too_long
+from hearth.services.gateway.openai_parts import (
+    CacheHint, FailFastList, Metadata, OpenAIMessage, OpenAITools, OpenAIToolChoice, Prediction, StreamOptions,
+    UnknownParameter, Unsupported, shortened, unknown_parameter,
+)
 
 openai_temperature_max = 2.0
 openai_max_stop_strings = 4
 openai_seed_bound = 2**63
 # OpenAI's fields of each endpoint that ask nothing hearth could honour or refuse (who calls, what to store, hints
-# for OpenAI's own models and caches): accepted, and change nothing. Any other field the body model does not declare
-# is one OpenAI's API does not know either, and is refused by name, as OpenAI refuses it.
+# for OpenAI's own models and caches): accepted, and change nothing (those that are objects are declared, so that
+# their keys are checked). Any other field the body model does not declare is one OpenAI's API does not know either,
+# and is refused by name, as OpenAI refuses it.
 CHAT_FIELDS_THAT_CHANGE_NOTHING = frozenset({
-    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "verbosity",
-    "prediction", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "safety_identifier"})
+    "user", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "verbosity", "prompt_cache_key",
+    "prompt_cache_retention", "safety_identifier"})
 COMPLETION_FIELDS_THAT_CHANGE_NOTHING = frozenset({"user"})
-Item = TypeVar("Item")
-# A list whose first wrong item ends its validation: a body of many wrong items is refused for one, not described
-# item by item (a 1 MB body of them drew tens of MB of error, built on the event loop).
-FailFastList = Annotated[list[Item], Field(fail_fast=True)]
-
-
-class Unsupported(BadRequest):
-    """A request field hearth refuses (one it cannot honour, or a value it does not take); `param` names it."""
-
-    def __init__(self, param: str | None, message: str, reason: RefusalReason | None = None) -> None:
-        super().__init__(message, param=param, reason=reason)
-
-
-class ContentPart(BaseModel):
-    """One part of a message's content given as a list: hearth reads `text` parts (and an assistant's `refusal`);
-    any other type (`image_url`, `input_audio`, `file`) is refused by name when mapped."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: str = Field(max_length=64)
-    text: str | None = None
-    refusal: str | None = None
-
-    def text_of(self, role: str, where: str) -> str:
-        """The part's text; Unsupported naming `where` (messages.I.content.J) when hearth cannot read it."""
-        if self.type == "text" and self.text is not None:
-            return self.text
-        if self.type == "refusal" and role != "assistant":
-            raise Unsupported("messages", f"{where}: only an assistant's message may hold a 'refusal' part")
-        if self.type == "refusal" and self.refusal is not None:
-            return self.refusal
-        if self.type in ("text", "refusal"):
-            raise Unsupported("messages", f"{where}: a '{self.type}' part needs its '{self.type}' string")
-        raise Unsupported("messages", f"{where}: content parts of type {self.type!r} are not supported by hearth: "
-                                      "its models read text only ('text' parts)")
-
-
-class OpenAIMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | FailFastList[ContentPart] | None = None
-    tool_calls: FailFastList[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    def to_chat_message(self, index: int = 0) -> ChatMessage:
-        """hearth's message; `index`: this one's place in `messages`, which a refusal names."""
-        content = self.content if isinstance(self.content, str) else "".join(
-            part.text_of(self.role, f"messages.{index}.content.{number}")
-            for number, part in enumerate(self.content or []))
-        # A developer message is what newer OpenAI models call a system message.
-        fields: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        if self.tool_calls:
-            fields["tool_calls"] = self.tool_calls
-        if self.tool_call_id is not None:
-            fields["tool_call_id"] = self.tool_call_id
-        return ChatMessage(**fields)
 
 
 class HearthOptions(BaseModel):
@@ -119,12 +68,6 @@ class HearthOptions(BaseModel):
 
     def params(self) -> ChatParams:
         return ChatParams(**self.model_dump(exclude_none=True))
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    include_usage: bool | None = None
 
 
 class _Sampling(BaseModel):
@@ -165,11 +108,8 @@ class _Sampling(BaseModel):
         unknown = [name for name in self.model_extra or {} if name not in self.fields_that_change_nothing]
         if unknown:
             # OpenAI's words for it. The name is the client's own: a long one is cut in the message, and not `param`.
-            name = unknown[0]
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-            raise Unsupported(name if len(name) <= max_param_chars else None,
-                              f"Unrecognized request argument supplied: {name[:max_param_chars]}"
-                              f"{'...' if len(name) > max_param_chars else ''}{more}")
+            raise UnknownParameter(unknown[0], f"Unrecognized request argument supplied: {shortened(unknown[0])}{more}")
         if self.n is not None and self.n > max_choices:
             raise Unsupported("n", f"'n' must be at most {max_choices}: hearth answers at most {max_choices} choices "
                                    f"per request (got {self.n})")
@@ -204,7 +144,8 @@ class _Sampling(BaseModel):
             return _HearthField.model_validate({"hearth": self.hearth}).hearth
         except ValidationError as error:
             first = error.errors(include_url=False)[0]["loc"]
-            raise Unsupported(".".join(str(part) for part in first), describe_validation_error(error)) from None
+            raise unknown_parameter(error, {"hearth": self.hearth}) or Unsupported(
+                ".".join(str(part) for part in first), describe_validation_error(error)) from None
 
 
 class _HearthField(BaseModel):
@@ -220,11 +161,11 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[OpenAIMessage] = Field(min_length=1, max_length=max_messages)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=max_tokens_limit)
-    tools: FailFastList[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: OpenAITools | None = None
+    tool_choice: ToolChoiceMode | OpenAIToolChoice | None = None
     functions: FailFastList[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=max_top_logprobs)
     # What answers hearth cannot give (audio, a web search): refused, never answered with text alone.
@@ -232,6 +173,10 @@ class ChatCompletionRequest(_Sampling):
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
+    # OpenAI's objects that change nothing here, declared so that their keys and values are checked.
+    metadata: Metadata | None = None
+    prediction: Prediction | None = None
+    prompt_cache_options: CacheHint | None = None
 
     def to_chat_request(self) -> ChatRequest:
         self._refuse_what_hearth_cannot_do()
@@ -250,9 +195,13 @@ class ChatCompletionRequest(_Sampling):
                                             "input or the answer")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         structured: dict[str, Any] = {}
-        for name in ("response_format", "tools", "tool_choice"):
-            if getattr(self, name) is not None:
-                structured[name] = getattr(self, name)
+        if self.response_format is not None:
+            structured["response_format"] = self.response_format
+        if self.tools is not None:
+            structured["tools"] = [tool.to_tool(index) for index, tool in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            structured["tool_choice"] = (self.tool_choice if isinstance(self.tool_choice, str)
+                                         else self.tool_choice.to_named_tool_choice())
         try:
             messages = [message.to_chat_message(index) for index, message in enumerate(self.messages)]
         except ValidationError as error:
