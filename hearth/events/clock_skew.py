@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Literal
 
 from hearth.events.metrics import skewed_clock_messages_total
+from hearth.events.once_a_while import OnceAWhile
 
 log = logging.getLogger(__name__)
 
@@ -31,23 +31,15 @@ class ClockSkewReports:
     every such message is counted."""
 
     def __init__(self, *, every_s: float = report_every_s, monotonic: Callable[[], float] = time.monotonic) -> None:
-        self._every_s = every_s
-        self._monotonic = monotonic
-        self._told_at: OrderedDict[str, float] = OrderedDict()
+        self._told = OnceAWhile(every_s, max_remembered_members, monotonic=monotonic)
 
     def skewed(self, what: SkewedMessage, member: str, skew_s: float, *, clock: str, allowed_s: float,
                consequence: str) -> bool:
         """Count one message of `member` dated `skew_s` off `clock`; log it unless told lately. True: logged."""
         skewed_clock_messages_total.labels(what).inc()
-        now = self._monotonic()
-        told_at = self._told_at.get(member)
-        if told_at is not None and now - told_at < self._every_s:
+        if not self._told.due(member):
             return False
-        self._told_at[member] = now
-        self._told_at.move_to_end(member)
-        while len(self._told_at) > max_remembered_members:
-            self._told_at.popitem(last=False)
         log.warning("%s's clock is %s (by the date of its %s; at most %g s allowed): %s; set both clocks by NTP "
                     "(told once every %.0f min)", member, skew_in_words(skew_s, clock), what, allowed_s, consequence,
-                    self._every_s / 60)
+                    self._told.every_s / 60)
         return True

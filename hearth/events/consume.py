@@ -6,7 +6,9 @@ order, across consumer losses and nats-server restarts, and no consumer stays be
 is closed.
 
 Messages that do not decode into an event are logged, counted in `hearth_events_undecodable_total`
-and yielded as `SkippedMessage`, so a reader can still move its position past them.
+and yielded as `SkippedMessage`, so a reader can still move its position past them. One only a newer hearth reads is
+logged once a while per type and version (events.newer_hearth), not once per message, and carries what it says of
+itself (`newer`), for a projection to keep it as rejected.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pydantic import ValidationError
 from hearth.events.cancellation import keeping_cancellation
 from hearth.events.metrics import events_undecodable_total
 from hearth.events.models import Event, decode_event
+from hearth.events.newer_hearth import EventOfANewerHearth, NewerHearthEvent, NewerHearthNotices
 from hearth.events.ordered_reader import OrderedPushReader, StreamReadStalled
 
 __all__ = [
@@ -40,6 +43,8 @@ log = logging.getLogger(__name__)
 first_stream_seq = 1
 # Without --follow: give up (StreamReadStalled) when no expected message arrives for this long.
 default_idle_timeout_s = 15.0
+# Every reader of this process tells of a newer hearth's events through one memory of what it told.
+newer_hearth_notices = NewerHearthNotices()
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class SkippedMessage:
     subject: str
     time: datetime
     error: str
+    # An event only a newer hearth reads (a type or version past this one's), as it describes itself; None: junk.
+    newer: NewerHearthEvent | None = None
 
 
 async def stream_last_seq(js: JetStreamContext, stream: str) -> int:
@@ -137,6 +144,11 @@ def decode_stored_message(
     """Decode one stored message; a failure becomes a logged, counted SkippedMessage, never an exception."""
     try:
         event = decode_event(data)
+    except EventOfANewerHearth as refused:
+        newer_hearth_notices.skipped(refused.newer, f"{stream}#{seq} on {subject}")
+        events_undecodable_total.labels(stream=stream).inc()
+        return SkippedMessage(stream=stream, seq=seq, subject=subject, time=stored_at, error=str(refused),
+                              newer=refused.newer)
     # RecursionError: a body nested deeper than the parser goes; OverflowError: a date past the calendar's ends.
     except (ValidationError, ValueError, TypeError, RecursionError, OverflowError) as error:
         reason = _short_error(error)

@@ -26,9 +26,9 @@ event_outbox_depth = Gauge(
 events_rejected_total = Counter(
     "hearth_events_rejected_total",
     "Events a projection did not apply because their signature, signer, role, node or time failed the "
-    "community's check (hearth/events/signing.py), no handler could apply them, or they are a copy of an event "
-    "applied already (duplicate) or older than its id is kept (too_old); each is also counted in the "
-    "rejected_event_counts read model.",
+    "community's check (hearth/events/signing.py), no handler could apply them, they are a copy of an event "
+    "applied already (duplicate) or older than its id is kept (too_old), or only a newer hearth reads them "
+    "(newer_hearth); each is also counted in the rejected_event_counts read model.",
     ["reason"],
 )
 

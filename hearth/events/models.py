@@ -16,7 +16,9 @@ from hearth.events.envelope import (
     ShardId,
     max_event_duration_s,
     max_event_hops,
+    max_event_number,
 )
+from hearth.events.newer_hearth import newer_hearth_event
 from hearth.protocol.bounded_values import Reason
 from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN
 from hearth.protocol.mesh_protocol import max_mesh_protocol
@@ -340,6 +342,8 @@ EVENT_CLASSES: tuple[type[EventEnvelope], ...] = (
 )
 Event = Annotated[Union[EVENT_CLASSES], Field(discriminator="type")]  # type: ignore[valid-type]
 EVENT_TYPES: dict[str, type[EventEnvelope]] = {model.model_fields["type"].default: model for model in EVENT_CLASSES}
+# The latest version of each type this hearth reads (older ones through UPCASTERS).
+READABLE_VERSIONS: dict[str, int] = {kind: model.model_fields["version"].default for kind, model in EVENT_TYPES.items()}
 
 _event_adapter: TypeAdapter[Event] = TypeAdapter(Event)
 
@@ -363,19 +367,16 @@ def decode_event(data: bytes | str | dict[str, Any]) -> Event:
 
 
 def _refuse_another_hearths(raw: dict[str, Any]) -> None:
-    """ValueError, in one line, for an event only a newer hearth reads: a type this one does not know, or a version
-    of its type past this one's (a breaking change, which read as this hearth's own version would be misread)."""
+    """EventOfANewerHearth (a ValueError), in one line, for an event only a newer hearth reads: a type this one does
+    not know, or a version of its type past this one's (a breaking change, which read as this hearth's own version
+    would be misread)."""
     kind, version = raw.get("type"), raw.get("version", 1)
-    if not isinstance(kind, str) or not isinstance(version, int) or isinstance(version, bool):
+    if (not isinstance(kind, str) or not isinstance(version, int) or isinstance(version, bool)
+            or abs(version) > max_event_number):
         return  # malformed: validation says what is wrong with it
-    model = EVENT_TYPES.get(kind)
-    if model is None:
-        raise ValueError(f"event type {kind[:64]!r} is not one this hearth knows (a newer hearth's?): upgrade it to "
-                         f"read this event")
-    known = model.model_fields["version"].default
-    if version > known:
-        raise ValueError(f"{kind} version {version} is newer than this hearth reads (up to {known}): upgrade it to "
-                         f"read this event")
+    known = READABLE_VERSIONS.get(kind)
+    if known is None or version > known:
+        raise newer_hearth_event(raw, kind, version, known)
 
 
 def encode_event(event: EventEnvelope) -> bytes:

@@ -31,16 +31,17 @@ log = logging.getLogger(__name__)
 
 SIGNATURE_FIELD = "signature"
 
-# The verifier's reasons; `unapplicable`, an event no handler could apply (hearth/readmodels/unapplicable.py); and
+# The verifier's reasons; `unapplicable`, an event no handler could apply (hearth/readmodels/unapplicable.py);
 # `duplicate` and `too_old`, a copy of an event applied already or one older than its id is kept
-# (hearth/readmodels/applied_events.py).
+# (hearth/readmodels/applied_events.py); and `newer_hearth`, one only a newer hearth reads
+# (hearth/events/newer_hearth.py), kept for a newer projector to find.
 RejectionReason = Literal[
     "unsigned", "unknown_signer", "removed_signer", "bad_signature", "role_may_not_emit", "node_mismatch",
-    "wrong_stream", "future_dated", "unapplicable", "duplicate", "too_old",
+    "wrong_stream", "future_dated", "unapplicable", "duplicate", "too_old", "newer_hearth",
 ]
 REJECTION_REASONS: tuple[RejectionReason, ...] = (
     "unsigned", "unknown_signer", "removed_signer", "bad_signature", "role_may_not_emit", "node_mismatch",
-    "wrong_stream", "future_dated", "unapplicable", "duplicate", "too_old",
+    "wrong_stream", "future_dated", "unapplicable", "duplicate", "too_old", "newer_hearth",
 )
 
 # Who may say what: a shard host its own shard events; an orchestrator the pipeline and integrity events of the

@@ -13,7 +13,8 @@ from hearth.readmodels.table_base import Base
 class RejectedEvent(Base):
     """An event a projection did not apply: unsigned, signed by a non-member or a removed one, by a role that may not
     emit its type, for another node or stream, or dated in the future (hearth/events/signing.py); or a copy of an
-    event applied already, or older than its id is kept (applied_events). Its position still advanced. A sample: the
+    event applied already, or older than its id is kept (applied_events); or one only a newer hearth reads
+    (`newer_hearth`, `type` naming it: events/newer_hearth.py). Its position still advanced. A sample: the
     first few of each reason in each minute of each stream (rejected_event_counts counts them all)."""
 
     __tablename__ = "rejected_events"
@@ -27,7 +28,7 @@ class RejectedEvent(Base):
     reason: Mapped[str] = mapped_column(
         String, nullable=False,
         comment="unsigned | unknown_signer | removed_signer | bad_signature | role_may_not_emit | node_mismatch | "
-                "wrong_stream | future_dated | unapplicable | duplicate | too_old",
+                "wrong_stream | future_dated | unapplicable | duplicate | too_old | newer_hearth",
     )
     occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the event claims")
     rejected_at: Mapped[int] = mapped_column(

@@ -19,6 +19,7 @@ from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from hearth.readmodels.batch_rows import session_cursor
+from hearth.readmodels.newer_events import tell_of_events_now_readable
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,8 @@ def alembic_config(path: str | Path | None = None) -> Config:
 
 def upgrade_database(path: str | Path, revision: str = "head") -> None:
     """Create or migrate the read-model schema at `path` to `revision` (tables are created only this way), and switch
-    a file made before incremental auto-vacuum to it. ReadModelUnusable (one line) for a file it cannot use or write."""
+    a file made before incremental auto-vacuum to it. ReadModelUnusable (one line) for a file it cannot use or write.
+    Migrated to the head, it says which events an older projector skipped as a newer hearth's this one reads."""
     engine = open_engine(path)
     try:
         with engine.begin() as connection:
@@ -154,6 +156,8 @@ def upgrade_database(path: str | Path, revision: str = "head") -> None:
             config.attributes["connection"] = connection
             _refuse_an_unknown_schema(connection, config, path)
             command.upgrade(config, revision)
+            if revision == "head":
+                tell_of_events_now_readable(connection, path)
         switch_to_incremental_vacuum(engine)
     except DatabaseError as error:
         if (damaged := damaged_file(path, error)) is not None:

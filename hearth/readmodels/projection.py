@@ -46,7 +46,7 @@ from hearth.readmodels.kept_prefixes import prune_expired_kept_prefixes
 from hearth.readmodels.pipeline_minutes import refresh_minutes
 from hearth.readmodels.pipeline_rows import PipelineEvent, apply_pipeline_event
 from hearth.readmodels.positions import PROJECTION_NAME, load_positions, save_position
-from hearth.readmodels.rejections import record_rejection
+from hearth.readmodels.rejections import NEWER_HEARTH, record_newer_hearths, record_rejection
 from hearth.readmodels.reputation import ReputationEvent, apply_reputation_event
 from hearth.readmodels.retention import RetentionPolicy, history_kept_s
 from hearth.readmodels.shard_rows import (ShardEvent, apply_shard_event, clock_skew_s, heard_at_s, note_future_dated,
@@ -92,6 +92,8 @@ class ReadModelProjection:
         appended to `rejections`, for the caller to count once it has committed) and its position advances; with
         `reject_as`, so is every event, for that reason (readmodels.unapplicable). So is a copy of an event applied
         before, or one older than applied ids are kept (readmodels.applied_events: `duplicate`, `too_old`).
+        An event only a newer hearth reads is recorded as rejected too (`newer_hearth`), while a message that is no
+        event at all only moves the position.
         Returns how many messages moved a position (skipped, undecodable and rejected ones included). The
         caller commits; if it rolls back instead, neither rows nor positions change.
         """
@@ -107,11 +109,10 @@ class ReadModelProjection:
                 if message.seq <= positions.get(message.stream, 0):
                     continue
                 event = getattr(message, "event", None)
-                if event is None:
-                    log.warning(
-                        "%s: skipping undecodable message %s #%d on %s: %s",
-                        self.name, message.stream, message.seq, message.subject, message.error,
-                    )
+                if event is None:  # logged as it was read (events.consume)
+                    if record_newer_hearths(message, rows, samples_per_minute=self.rejected_samples_per_minute) \
+                            and rejections is not None:
+                        rejections.append(Rejection(message.stream, message.seq, message.newer.label, NEWER_HEARTH))
                 elif (reason := reject_as or rejection(self.verifier, message, rows) or repeat_rejection(
                         message, rows, history_kept_s(self.retention, message.stream))) is not None:
                     record_rejection(message, reason, rows, projection=self.name,

@@ -8,13 +8,17 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
+from hearth.events.envelope import EventEnvelope
 from hearth.events.signing import RejectionReason
 from hearth.readmodels.batch_rows import REJECTED_EVENT_COUNTS, REJECTED_EVENTS, BatchRows, saturating_add
 
 if TYPE_CHECKING:
-    from hearth.events.consume import StoredEvent
+    from hearth.events.consume import SkippedMessage, StoredEvent
 
 log = logging.getLogger(__name__)
+
+# An event only a newer hearth reads (hearth/events/newer_hearth.py): kept, so a newer projector finds what it missed.
+NEWER_HEARTH: RejectionReason = "newer_hearth"
 
 # What an operator most often has to do about a reason, where the reason alone leaves it a guess.
 LIKELY_CAUSE: dict[RejectionReason, str] = {
@@ -28,25 +32,43 @@ def record_rejection(message: StoredEvent, reason: RejectionReason, rows: BatchR
     """Count the rejected message and keep it as a sample unless its minute already holds `samples_per_minute` of
     its stream and reason (None: keep every one). By the time the stream stored it, never the event's own claim."""
     event = message.event
+    if _record(message, event, event.type, reason, rows, samples_per_minute):
+        # Logged only as it is kept: a flood logs no more lines than it leaves rows.
+        log.warning("%s: rejected %s #%d %s %s from node %s (signer %s): %s%s", projection, message.stream,
+                    message.seq, event.type, event.event_id, event.node_id, event.signer or "none", reason,
+                    LIKELY_CAUSE.get(reason, ""))
+
+
+def record_newer_hearths(message: SkippedMessage, rows: BatchRows, *, samples_per_minute: int | None) -> bool:
+    """Count and keep, as rejected (`newer_hearth`), a skipped message that is an event only a newer hearth reads, named
+    by its type (and version); False when it is no event at all (not even its envelope validates). Not logged: its
+    reader told of its type already (events.newer_hearth)."""
+    newer = message.newer
+    if newer is None or newer.envelope is None:
+        return False
+    _record(message, newer.envelope, newer.label, NEWER_HEARTH, rows, samples_per_minute)
+    return True
+
+
+def _record(message: StoredEvent | SkippedMessage, event: EventEnvelope, event_type: str, reason: RejectionReason,
+            rows: BatchRows, samples_per_minute: int | None) -> bool:
+    """Count the message and keep it as a row while its minute's count is within the samples; True: kept."""
     rejected_at = math.floor(message.time.timestamp())
     key = (rejected_at // 60 * 60, message.stream, reason)
     counted = rows.edit(REJECTED_EVENT_COUNTS, key, lambda: dict(minute=key[0], stream=key[1], reason=key[2],
                                                                  events=0))
     counted["events"] = saturating_add(counted["events"], 1)
     if samples_per_minute is not None and counted["events"] > samples_per_minute:
-        return
-    # Logged only as it is kept: a flood logs no more lines than it leaves rows.
-    log.warning("%s: rejected %s #%d %s %s from node %s (signer %s): %s%s", projection, message.stream,
-                message.seq, event.type, event.event_id, event.node_id, event.signer or "none", reason,
-                LIKELY_CAUSE.get(reason, ""))
+        return False
     rows.put(REJECTED_EVENTS, (message.stream, message.seq), dict(
         stream=message.stream,
         stream_seq=message.seq,
         event_id=event.event_id,
-        type=event.type,
+        type=event_type,
         node_id=event.node_id,
         signer=event.signer,
         reason=reason,
         occurred_at=math.floor(event.occurred_at.timestamp()),
         rejected_at=rejected_at,
     ))
+    return True

@@ -125,7 +125,7 @@ def test_a_field_a_newer_emitter_added_is_covered_by_the_signature(verifier):
 def test_every_reason_is_one_of_the_documented_ones():
     assert REJECTION_REASONS == ("unsigned", "unknown_signer", "removed_signer", "bad_signature",
                                  "role_may_not_emit", "node_mismatch", "wrong_stream", "future_dated", "unapplicable",
-                                 "duplicate", "too_old")
+                                 "duplicate", "too_old", "newer_hearth")
 
 
 def test_unsigned_and_half_signed_events_are_rejected(verifier):

@@ -5,6 +5,7 @@ d0065f3) wrote them: tests/data/before_protocol_versions."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from hearth.protocol.mesh_protocol import MESH_PROTOCOL, mesh_protocol_refusal
 from hearth.readmodels.batch_rows import epoch_s
 from hearth.services.common.call_signing import CallRefused
 from hearth.services.orchestrator.router import RoutingError, ShardRouter
-from hearth.services.shard.open_check import checked_open
+from hearth.services.shard.open_check import checked_open, open_of_another_version
 from tests.readmodel_helpers import MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, at, migrated_engine
 
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "before_protocol_versions"
@@ -94,3 +95,19 @@ def test_a_newer_peer_is_refused_asking_to_upgrade_this_one():
     assert mesh_protocol_refusal(MESH_PROTOCOL + 1, "it") == (
         f"it speaks hearth mesh protocol {MESH_PROTOCOL + 1}, this one {MESH_PROTOCOL}: a mesh runs one version, "
         f"upgrade this one")
+
+
+@pytest.mark.parametrize("body, told", [
+    ({"op": "open", "protocol": MESH_PROTOCOL + 1, "a_newer_field": 1}, MESH_PROTOCOL + 1),
+    ({"op": "open", "a_field_since_removed": 1}, None),
+    ({"op": "open", "protocol": MESH_PROTOCOL, "a_field_nobody_sends": 1}, "not refused for its version"),
+    ({"op": "open", "protocol": 2**80}, "not refused for its version"),
+    ({"op": "open", "protocol": True}, "not refused for its version"),
+    ({"op": "stat", "protocol": MESH_PROTOCOL + 1}, "not refused for its version"),
+])
+def test_an_open_that_does_not_validate_is_refused_for_its_version_only_when_it_names_another(body, told):
+    reply = open_of_another_version(json.dumps(body).encode())
+    if told == "not refused for its version":
+        assert reply is None  # its validation error says what is wrong
+    else:
+        assert (reply.code, reply.message) == ("bad_request", mesh_protocol_refusal(told, "the orchestrator"))

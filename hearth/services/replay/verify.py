@@ -1,7 +1,8 @@
 """`hearth-replay verify`: checks every stored event of the event streams by the rule a projection applies
 (hearth/events/signing.py: signed, by a member of the roster whose role may emit the type, for its own node, not
 stored after its signer's removal, not dated after the broker stored it; and not a copy of an event that passed before
-nor older than a read model keeps its id, hearth/readmodels/applied_events.py) and reports each event that fails it.
+nor older than a read model keeps its id, hearth/readmodels/applied_events.py) and reports each event that fails it,
+and each a newer hearth wrote (`newer_hearth`, as a projection keeps it).
 The removals and the steward keys each stream's log shows count from where they stand in it, as in a projection."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hearth.events.models import MemberChange
 from hearth.events.signing import EventVerifier
 from hearth.events.logged_keys import LoggedKeys
 from hearth.readmodels.applied_events import DUPLICATE, TOO_OLD, keeps_id, older_than_kept
+from hearth.readmodels.rejections import NEWER_HEARTH
 from hearth.readmodels.retention import RetentionPolicy, history_kept_s
 from hearth.services.common.display import display_text
 
@@ -119,6 +121,10 @@ class PassedEvents:
 
 def _verdict(verifier: EventVerifier, message: Any, logged: LoggedKeys, passed: PassedEvents) -> BadEvent | None:
     if isinstance(message, SkippedMessage):
+        envelope = message.newer.envelope if message.newer is not None else None
+        if envelope is not None:  # a newer hearth's event: as a projection keeps it
+            return BadEvent(message.stream, message.seq, NEWER_HEARTH, event_type=message.newer.label,
+                            event_id=envelope.event_id, node_id=envelope.node_id, signer=envelope.signer)
         return BadEvent(message.stream, message.seq, UNDECODABLE, detail=message.error)
     event = message.event
     # The broker's storage time and position, and the removals and steward keys this stream showed before, as in the

@@ -3,12 +3,13 @@ refusal to answer it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from nats.aio.msg import Msg
 
 from hearth.protocol.control import ControlReply, OpenHop
-from hearth.protocol.mesh_protocol import mesh_protocol_refusal
+from hearth.protocol.mesh_protocol import MESH_PROTOCOL, max_mesh_protocol, mesh_protocol_refusal
 from hearth.services.common.call_signing import HEADER_CALLER, CallRefused
 from hearth.services.transport.key_seal import keys_for_host
 from hearth.trust.keys import MemberKey
@@ -34,3 +35,21 @@ def checked_open(msg: Msg, request: OpenHop, open_verifier: Any,
     opened = keys_for_host(request, signing_key, (msg.headers or {}).get(HEADER_CALLER))
     return (opener, opener_key, opened) if isinstance(opened, OpenHop) else ControlReply(ok=False, code="unauthorized",
                                                                            message=f"the open is refused: {opened}")
+
+
+def open_of_another_version(data: bytes) -> ControlReply | None:
+    """The refusal of a control request that does not validate but is an `open` of another mesh protocol (a newer
+    orchestrator's, with fields this shard does not know, or one from before protocol versions): refused for what it
+    is, as checked_open refuses one that validates, not for a field this shard cannot read. None otherwise."""
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict) or body.get("op") != "open":
+        return None
+    told = body.get("protocol")
+    if told is not None and (not isinstance(told, int) or isinstance(told, bool) or not 1 <= told <= max_mesh_protocol):
+        return None  # no version at all: the validation error says what is wrong
+    if told == MESH_PROTOCOL:
+        return None
+    return ControlReply(ok=False, code="bad_request", message=mesh_protocol_refusal(told, "the orchestrator"))

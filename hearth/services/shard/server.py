@@ -58,7 +58,7 @@ from hearth.services.shard.hop_closing import HopClosing
 from hearth.services.shard.hops import HopLimits, ServedHop, opened_by
 from hearth.services.shard.identity import ShardIdentity, advertisement, open_refusal
 from hearth.services.shard.kept_events import say_once, shard_outbox, start_outbox
-from hearth.services.shard.open_check import checked_open
+from hearth.services.shard.open_check import checked_open, open_of_another_version
 from hearth.services.shard.opens_in_flight import OpensInFlight
 from hearth.services.shard.watchdog import watch_hops
 
@@ -256,7 +256,8 @@ class ShardServer(HopClosing):
             request = control_request_adapter.validate_json(msg.data)
         except ValidationError as error:
             refused = describe_validation_error(error)[:max_reason_chars]  # one line naming the fields, not values
-            await self._reply(msg, ControlReply(ok=False, code="bad_request", message=refused))
+            await self._reply(msg, open_of_another_version(msg.data) or ControlReply(ok=False, code="bad_request",
+                                                                                      message=refused))
             return
         if isinstance(request, StatShard) and request.claim is not None and self._claim.from_this_node(msg):
             # Another process under this id: answered at once when this one outranks it (it then gives way), else this
