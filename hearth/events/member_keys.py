@@ -3,13 +3,19 @@ a steward key, as every rotation must verify) passes that member's role to its `
 there on, so a reader whose roster still names the member's older key verifies what the new one signs without a new
 roster copy. A reader follows the chain of the member's rotations back to the key its roster gives that member now:
 a roster that names yet another key for it (the log and the roster disagree) wins, and the log's key names no one
-(fail closed). Signed calls and opens, at no position in a log, follow every stream's chain together
-(member_by_logs, current_key_by_logs); the steward's own rotations are hearth/events/steward_keys.py's."""
+(fail closed). A member the roster copy does not name at all is followed back to the key the same log's addition
+gave it (hearth/events/member_additions.py), so a member added and then given a new key through the log alone is
+followed as a rostered one is; a chain that leads to no such addition, or to one of another member, names no one.
+Signed calls and opens, at no position in a log, follow every stream's chain together (member_by_logs,
+current_key_by_logs); the steward's own rotations are hearth/events/steward_keys.py's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from hearth.events.member_additions import (
+    AdditionLookup, LoggedAddition, member_by_addition, member_named_by_additions,
+)
 from hearth.events.models import EventEnvelope, MemberKeyRotated
 from hearth.events.steward_keys import max_chain_length, steward_key_for_calls
 from hearth.trust.roster import SYSTEM_MEMBER, Member, Roster
@@ -33,11 +39,13 @@ def passed_member_key(event: EventEnvelope, held_here: Callable[[str], bool]) ->
     return event.new_public_key, event.public_key, event.member
 
 
-def member_by_log(roster: Roster, public_key: str, succeeded: MemberSuccession) -> Member | None:
-    """The roster's member whose key the stream's log passed on to `public_key`, through one rotation or more of that
-    member (`succeeded`), starting from the key the roster gives it now. A chain through another member's rotation,
-    or one that leads back to a key the roster retired or never gave that member (the roster says otherwise), names
-    no one."""
+def member_by_log(roster: Roster, public_key: str, succeeded: MemberSuccession,
+                  added: AdditionLookup | None = None) -> Member | None:
+    """The member whose key the stream's log passed on to `public_key`, through one rotation or more of that member
+    (`succeeded`), starting from the key the roster gives it now, or, for a member the roster does not name, from the
+    key the stream's log added it under (`added`). A chain through another member's rotation, one that leads back to
+    a key the roster retired or never gave that member (the roster says otherwise), or, for a member the roster does
+    not name, to no addition of it, names no one."""
     key, named = public_key, None
     for _ in range(max_chain_length):
         step = succeeded(key)
@@ -48,7 +56,14 @@ def member_by_log(roster: Roster, public_key: str, succeeded: MemberSuccession) 
             return None
         named = member_name
         member = roster.by_name(member_name)
-        if member is None or member.name == SYSTEM_MEMBER:
+        if member is None:
+            member = member_by_addition(roster, predecessor, added(predecessor)) if added is not None else None
+            if member is not None and member.name != member_name:
+                return None  # the key was added as another member
+            if member is None:
+                key = predecessor
+                continue
+        if member.name == SYSTEM_MEMBER:
             return None
         if predecessor == member.public_key:
             return member.model_copy(update={"public_key": public_key, "retired_keys": []})
@@ -64,14 +79,17 @@ def current_key_by_logs(member: Member, named: Iterable[NamedMemberKey]) -> tupl
                                                      if name == member.name])
 
 
-def member_by_logs(roster: Roster, public_key: str, named: Iterable[NamedMemberKey]) -> Member | None:
+def member_by_logs(roster: Roster, public_key: str, named: Iterable[NamedMemberKey],
+                   additions: Iterable[tuple[str, LoggedAddition]] = ()) -> Member | None:
     """The member whose call or open `public_key` signed when the roster does not give it that key: the one the logs'
-    chain of rotations from its roster key ends at `public_key` (every stream's together)."""
+    chain of rotations from its roster key, or from the key the logs' additions gave a member the roster does not
+    name (`additions`), ends at `public_key` (every stream's together)."""
     named = list(named)
     names = {name for new_key, _, name in named if new_key == public_key}
     if len(names) != 1:
         return None  # named by no rotation, or for two members: fail closed
-    member = roster.by_name(names.pop())
+    name = names.pop()
+    member = roster.by_name(name) or member_named_by_additions(roster, name, additions)
     if member is None or member.name == SYSTEM_MEMBER:
         return None
     current, _ = current_key_by_logs(member, named)

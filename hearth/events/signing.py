@@ -200,7 +200,7 @@ class EventVerifier:
         if member is None and steward_succession is not None:
             member = steward_by_log(self._current_roster(), event.signer, steward_succession)
         if member is None and member_succession is not None:
-            member = member_by_log(self._current_roster(), event.signer, member_succession)
+            member = member_by_log(self._current_roster(), event.signer, member_succession, member_addition)
         if member is None and member_addition is not None:
             member = member_by_addition(self._current_roster(), event.signer, member_addition(event.signer))
         if member is None:

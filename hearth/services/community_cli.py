@@ -1,7 +1,8 @@
 """`hearth community`: create a community, add and remove members (a member may make its key itself: `keygen`)
 and replace their keys, the steward's own too
 (each an nkey; a removal or a key's retirement is also published in the event log,
-hearth/services/community_removal.py), list them with the keys removed or retired, show
+hearth/services/community_removal.py; what the log lacks of them is published later by `publish-pending`,
+hearth/services/community_pending_cli.py), list them with the keys removed or retired, show
 shard hosts' reputation from a read model and let a steward clear a quarantine
 (hearth/services/community_reputation.py); the commands that set up the broker's and the gateway's files (API keys,
 TLS, the authorization block, the streams) are hearth/services/community_broker_cli.py's."""
@@ -14,6 +15,7 @@ import typer
 
 from hearth.services.cli_options import CommunityNatsOption, settings
 from hearth.services.community_broker_cli import api_key_command, nats_config_command, streams_command, tls_command
+from hearth.services.community_pending_cli import note_what_the_log_lacks, publish_pending_command, unpublished_lines
 from hearth.services.community_cli_messages import (
     BROKER_APPLIES_IT,
     former_key_row,
@@ -92,7 +94,10 @@ def add_command(
         fail(f"--trust must be one of {', '.join(TRUST_ORDER)}, not {trust!r}")
     try:
         added = Community(directory).add(name, role, trust=trust, public_key=public_key)  # type: ignore[arg-type]
-    except (RosterError, KeyFileError, ValueError) as error:
+    except RosterError as error:
+        held = already_added(directory, name)
+        fail(f"{error}{held}")
+    except (KeyFileError, ValueError) as error:
         fail(str(error))
     except OSError as error:
         fail(f"cannot write the roster or the key in {directory}: {error.strerror}; nothing was added")
@@ -107,6 +112,21 @@ def add_command(
     typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}. "
                f"{addition_reaches_the_members(directory, member.name, log_positions(published.cuts, published))}")
     warn_where_the_log_lacks_the_addition("hearth community add", published, why_not)
+    lacking = None if offline or why_not is not None else published.failures
+    note_what_the_log_lacks("hearth community add", directory, member.name, "addition", lacking)
+
+
+def already_added(directory, name: str) -> str:
+    """What `add` says when the roster already names `name`: how to publish its addition, if the log lacks it."""
+    from hearth.trust.community import Community
+    from hearth.trust.roster import RosterError
+
+    try:
+        held = Community(directory).roster().by_name(name) is not None
+    except RosterError:
+        held = False
+    return (f"; if its addition is not in the event log yet, `hearth community publish-pending --name {name}` "
+            "publishes it") if held else ""
 
 
 @community_app.command("keygen")
@@ -190,6 +210,7 @@ def remove_command(
     typer.echo(f"removed {member.name} ({member.role}, {member.trust}), public key {member.public_key}{deleted}; "
                f"revoked its {api_keys} API keys{logged}. {BROKER_APPLIES_IT}")
     warn_where_the_log_lacks_it(command, published, offline, event="removal", cut_off="its events are")
+    note_what_the_log_lacks(command, directory, name, "removal", None if offline else published.failures)
 
 
 @community_app.command("rotate-key")
@@ -245,7 +266,11 @@ def rotate_key_command(
     handed_out = "" if steward else f" {rotation_reaches_the_members(directory, name, bool(rotated.retired.cuts))}"
     typer.echo(f"rotated the key of {name}: retired {rotated.retired.public_key} (at {where}), now "
                f"{rotated.member.public_key}{seed}{deleted}. {BROKER_APPLIES_IT}{handed_out}")
-    warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is")
+    warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is",
+                                publishable=not steward)
+    if not steward:  # only the retired key signs the steward's own rotation: it cannot be published later
+        note_what_the_log_lacks(command, directory, name, "key rotation",
+                                None if offline else published.failures)
     if steward:
         typer.echo(f"The steward's key changed: copy {rotated.seed_file} and {directory / 'roster.json'} to every "
                    "machine that runs the broker or the steward's tooling, and restart every node of a cluster "
@@ -278,6 +303,8 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOpti
         typer.echo(former_key_row(gone.member, "removed", gone.member.public_key, gone.removed_at, gone.cuts))
     for holder, retired in roster.retirements():
         typer.echo(former_key_row(holder, "retired", retired.public_key, retired.retired_at, retired.cuts))
+    for line in unpublished_lines(directory):
+        typer.echo(line)
 
 
 @community_app.command("reputation")
@@ -349,3 +376,4 @@ community_app.command("api-key")(api_key_command)
 community_app.command("tls")(tls_command)
 community_app.command("nats-config")(nats_config_command)
 community_app.command("streams")(streams_command)
+community_app.command("publish-pending")(publish_pending_command)

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from hearth.services.community_removal import PublishedRemoval
     from hearth.trust.roster import Member, RemovalCut
 
+# The one way to put on the log what a change's command could not (hearth/services/community_pending_cli.py).
+PUBLISH_PENDING = "hearth community publish-pending"
+
 
 def addition_reaches_the_members(directory: Path, name: str, where: str) -> str:
     """What the steward does next after adding a member: the member's own machine needs the roster (and its seed);
@@ -25,7 +28,8 @@ def addition_reaches_the_members(directory: Path, name: str, where: str) -> str:
     roster = directory / "roster.json"
     if not where:
         return (f"No stream took its addition: hand the new roster.json ({roster}) to every member's machine; until "
-                f"its copy names {name}, processes there reject {name}'s events, calls and opens (unknown_signer).")
+                f"its copy names {name}, processes there reject {name}'s events, calls and opens (unknown_signer), "
+                f"or until `{PUBLISH_PENDING}` puts the addition on the log.")
     return (f"Its addition is at {where}: other members' projectors, orchestrators and shard hosts accept {name} from "
             f"the event log before their roster copy names it. Give {name}'s machine the new roster.json ({roster}) "
             "with its seed; handing the roster to every member is still recommended (a stream that did not take the "
@@ -35,12 +39,13 @@ def addition_reaches_the_members(directory: Path, name: str, where: str) -> str:
 def warn_where_the_log_lacks_the_addition(command: str, published: PublishedRemoval, why_not: str | None) -> None:
     """One warning for each stream that did not take the addition (or, `why_not`, none was published): there, other
     households take the member only once their roster copy names it."""
+    later = f"or once `{PUBLISH_PENDING}` puts the addition there"
     if why_not is not None:
         typer.echo(f"{command}: warning: the addition was not published ({why_not}): other households take the "
-                   "member only once their roster copy names it", err=True)
+                   f"member only once their roster copy names it, {later}", err=True)
     for stream, why in published.failures.items():
         typer.echo(f"{command}: warning: {stream} did not take the addition event ({why}): there, other households "
-                   "take the member only once their roster copy names it", err=True)
+                   f"take the member only once their roster copy names it, {later}", err=True)
 
 
 def rotation_reaches_the_members(directory: Path, name: str, logged: bool) -> str:
@@ -51,7 +56,7 @@ def rotation_reaches_the_members(directory: Path, name: str, logged: bool) -> st
     if not logged:
         return (f"No stream took the rotation: hand the new roster.json ({roster}) to every member's "
                 f"machine; until its copy names {name}'s new key, processes there reject that key's events, calls and "
-                "opens (unknown_signer).")
+                f"opens (unknown_signer), or until `{PUBLISH_PENDING}` puts the rotation on the log.")
     return (f"Give {name}'s machine its new seed with the new roster.json ({roster}). Other members' projectors, "
             f"orchestrators and shard hosts accept {name}'s new key from the rotation in the event log, before their "
             "roster copy names it; handing the roster to every member is still recommended (a stream that did not "
@@ -83,12 +88,15 @@ def former_key_row(member: Member, status: str, public_key: str, since: datetime
 
 
 def warn_where_the_log_lacks_it(command: str, published: PublishedRemoval, offline: bool, *, event: str,
-                                 cut_off: str) -> None:
+                                 cut_off: str, publishable: bool = True) -> None:
     """One warning for each stream that did not take the `event` event (or for --offline, none did): there the key
-    is cut off by the steward's clock, not by a position in the log."""
+    is cut off by the steward's clock, not by a position in the log; `publishable`: PUBLISH_PENDING can put it
+    there later (not the steward's rotation of its own key, which only the retired key signs)."""
+    later = (f"`{PUBLISH_PENDING}` puts the event there for readers whose roster copy is older" if publishable else
+             "hand the roster out")
     for stream, why in published.failures.items():
         typer.echo(f"{command}: warning: {stream} did not take the {event} event ({why}): there, {cut_off} cut off "
-                   "by this machine's clock", err=True)
+                   f"by this machine's clock; {later}", err=True)
     if offline:
         typer.echo(f"{command}: warning: no {event} event published (--offline): {cut_off} cut off by this "
-                   "machine's clock", err=True)
+                   f"machine's clock; {later}", err=True)

@@ -1,7 +1,8 @@
 """A community folder on disk: `roster.json` (shared with every member) and `keys/<name>.nk` for the member keys
 generated here (each mode 0600 in a folder of mode 0700, handed to its member), among them `keys/system.nk`, the
-steward's own key, and `keys/<name>.nk.pending` while a rotation of that member's key is under way
-(hearth/trust/pending_rotation.py); each written atomically (hearth/trust/keys.py, write_private_file)."""
+steward's own key, `keys/<name>.nk.pending` while a rotation of that member's key is under way
+(hearth/trust/pending_rotation.py), and `unpublished.json` while some stream's log lacks a member change
+(hearth/trust/unpublished_changes.py); each written atomically (hearth/trust/keys.py, write_private_file)."""
 
 from __future__ import annotations
 

@@ -162,6 +162,19 @@ def make_private_folder(path: Path) -> None:
         os.chmod(path, mode & PRIVATE_FOLDER_MODE)
 
 
+def read_bounded_file(path: Path, max_bytes: int) -> bytes | None:
+    """The bytes of `path`, None when there is no such file; ValueError when it holds more than `max_bytes` (read no
+    further), OSError when it cannot be read."""
+    try:
+        with path.open("rb") as file:
+            data = file.read(max_bytes + 1)
+    except FileNotFoundError:
+        return None
+    if len(data) > max_bytes:
+        raise ValueError(f"more than {max_bytes} bytes")
+    return data
+
+
 def read_private_file(path: Path, what: str) -> bytes:
     """The bytes of a file only its owner may read (a seed, the API keys' hashes); KeyFileError naming `what`
     when it cannot be read or others may read it."""

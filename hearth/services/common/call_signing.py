@@ -4,7 +4,7 @@ signer against the roster, the trust it requires, the clock and the nonces it ha
 every member's, follow the rotations the event streams' logs show (hearth/events/steward_keys.py, caller_by_logs;
 hearth/events/member_keys.py, member_by_logs), when the checker is told of them
 (hearth/services/common/logged_steward_keys.py), and so does a member the logs added (hearth/events/member_additions.py,
-member_by_additions) before the roster copy names it.
+member_by_additions) before the roster copy names it, through the rotations the logs show of it too.
 
 The signature covers the reply inbox, so a captured call replayed elsewhere cannot send its answer to a new
 place; the nonce cache (kept for twice the allowed clock skew) refuses a replay to the same place, and an
@@ -176,7 +176,8 @@ class CallVerifier:
         named = list(self._logged_steward_keys())
         member = caller_by_logs(self._roster(False), signer, named) or caller_by_logs(self._roster(True), signer, named)
         if member is None:  # perhaps a member's key the logs' rotation named, the roster copy not yet
-            member = member_by_logs(self._roster(False), signer, self._logged_member_keys())
+            member = member_by_logs(self._roster(False), signer, self._logged_member_keys(),
+                                    self._logged_member_additions())
         if member is None:  # perhaps a member the logs added, the roster copy not yet
             member = member_by_additions(self._roster(False), signer, self._logged_member_additions())
         if member is None:

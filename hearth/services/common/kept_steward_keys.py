@@ -29,7 +29,7 @@ from hearth.events.models import MemberChange, MemberKeyRotated, MemberRemoved, 
 from hearth.events.signing import EventVerifier
 from hearth.events.steward_keys import max_chain_length
 from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS
-from hearth.trust.keys import write_private_file
+from hearth.trust.keys import read_bounded_file, write_private_file
 from hearth.trust.roster import SYSTEM_MEMBER
 
 log = logging.getLogger(__name__)
@@ -137,13 +137,9 @@ def write_kept_removals(path: Path, removals: Iterable[KeptRemoval]) -> list[Kep
 def read_kept_removals(path: Path) -> list[KeptRemoval]:
     """The removals kept in `path` ([] when there is none; version 1's rotations too); ValueError or OSError when it
     does not read."""
-    try:
-        with path.open("rb") as file:
-            data = file.read(max_file_bytes + 1)
-    except FileNotFoundError:
+    data = read_bounded_file(path, max_file_bytes)
+    if data is None:
         return []
-    if len(data) > max_file_bytes:
-        raise ValueError(f"more than {max_file_bytes} bytes")
     try:
         content = _kept_file.validate_json(data)
     except ValidationError as error:
