@@ -92,8 +92,8 @@ def rotated(new: MemberKey, old: MemberKey, member: str = "garage") -> tuple[str
 def test_calls_and_opens_of_an_added_members_new_key_are_its_by_the_log_alone():
     def verifier(additions, rotations, retired=(GARAGE.public_key,)) -> CallVerifier:
         return CallVerifier(old_roster(), max_clock_skew_s=SKEW_S, min_caller_trust="member",
-                            logged_retired_keys=lambda: retired, logged_member_keys=lambda: rotations,
-                            logged_member_additions=lambda: additions)
+                            logged_retired_keys=lambda: retired, logged_member_keys=lambda signer: rotations,
+                            logged_member_additions=lambda signer: additions)
 
     garage = [added("garage", GARAGE)]
     assert caller(verifier(garage, [rotated(GARAGE_2, GARAGE)]), GARAGE_2) == "garage"

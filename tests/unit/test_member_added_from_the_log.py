@@ -105,14 +105,14 @@ def added(name: str, key: MemberKey, role: str = "client", trust: str = "member"
 def test_calls_and_opens_of_an_added_member_are_its_by_the_log_alone():
     def verifier(additions, retired=()) -> CallVerifier:
         return CallVerifier(old_roster(), max_clock_skew_s=SKEW_S, min_caller_trust="member",
-                            logged_retired_keys=lambda: retired, logged_member_additions=lambda: additions)
+                            logged_retired_keys=lambda: retired, logged_member_additions=lambda signer: additions)
 
     assert caller(verifier([]), PHONE) == "unknown_signer"  # as before: the roster alone
     assert caller(verifier([added("phone", PHONE)]), PHONE) == "phone"
     # Its role is the addition's, as the roster's would be: a shard host calls nothing.
     assert caller(CallVerifier(old_roster(), max_clock_skew_s=SKEW_S, min_caller_trust="member",
                                caller_roles=("client", "system"),
-                               logged_member_additions=lambda: [added("phone", PHONE, role="shard")]),
+                               logged_member_additions=lambda signer: [added("phone", PHONE, role="shard")]),
                   PHONE) == "role_may_not_call"
     assert caller(verifier([added("phone", PHONE)], retired=[PHONE.public_key]), PHONE) == "unknown_signer"
     # Two streams adding the key as different members, or the member under two keys: neither counts.

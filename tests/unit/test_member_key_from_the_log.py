@@ -115,7 +115,7 @@ def test_calls_and_opens_of_the_new_key_are_the_members_by_the_log_alone():
 
     def verifier(rotations, roster=None) -> CallVerifier:
         return CallVerifier(roster or old_roster(), max_clock_skew_s=SKEW_S, min_caller_trust="member",
-                            logged_retired_keys=lambda: retired, logged_member_keys=lambda: rotations)
+                            logged_retired_keys=lambda: retired, logged_member_keys=lambda signer: rotations)
 
     assert caller(verifier(named()), ATTIC_2) == "unknown_signer"  # as before: the roster alone
     assert caller(verifier(named((ATTIC_2, ATTIC))), ATTIC_2) == "attic"

@@ -86,6 +86,11 @@ def signed_by(public_key: str, subject: str, reply: str, body: bytes, headers: M
     return verify_b64(public_key, _signed_bytes(subject, reply, timestamp, nonce, body), signature)
 
 
+def _none_logged(signer: str) -> tuple[()]:
+    """What a checker told of no logs reads of `signer`'s rotations and additions: nothing."""
+    return ()
+
+
 @dataclass(frozen=True)
 class CallRefused:
     """Why a call is not accepted; `reason` is a short code for metrics, `message` for the caller; `retry_after_s`
@@ -101,10 +106,12 @@ class CallVerifier:
     nonce, trust at least `min_caller_trust`, and a role among `caller_roles` (None: any role; an orchestrator's
     check of calls gives CALLER_ROLES: hearth/services/common/event_trust.py, call_verifier).
     `logged_steward_keys`: the steward keys the event streams' logs named so far, each with the one it succeeded
-    (None: the roster alone says whose key is the steward's); `logged_member_keys`: the other members' keys the logs'
-    rotations named so far, each with the one it succeeded and its member (None: the roster alone says);
-    `logged_member_additions`: the members the logs' additions added so far, each with its key (None: the roster
-    alone says);
+    (None: the roster alone says whose key is the steward's); `logged_member_keys`: given a signer's key, the other
+    members' keys the logs' rotations named so far that bear on it, each with the one it succeeded and its member
+    (every rotation naming it and every rotation of the members those name, as LoggedKeyViews.member_keys_bearing_on
+    gives them; None: the roster alone says); `logged_member_additions`: given a signer's key, the members the logs'
+    additions added so far that bear on it or on a member whose rotation named it, each with its key
+    (LoggedKeyViews.additions_bearing_on_signer; None: the roster alone says);
     `logged_retired_keys`: the keys the logs' removals and rotations retired so far, refused whatever the roster says
     (None: the roster alone says)."""
 
@@ -113,8 +120,8 @@ class CallVerifier:
                  caller_roles: tuple[Role, ...] | None = None,
                  logged_steward_keys: Callable[[], Iterable[tuple[str, str]]] | None = None,
                  logged_retired_keys: Callable[[], Collection[str]] | None = None,
-                 logged_member_keys: Callable[[], Iterable[NamedMemberKey]] | None = None,
-                 logged_member_additions: Callable[[], Iterable[tuple[str, LoggedAddition]]] | None = None) -> None:
+                 logged_member_keys: Callable[[str], Iterable[NamedMemberKey]] | None = None,
+                 logged_member_additions: Callable[[str], Iterable[tuple[str, LoggedAddition]]] | None = None) -> None:
         # A callable (given `recheck`: look at the roster file again now) is asked on every call: a long-running
         # orchestrator must know the members a steward added since it started.
         self._roster = roster if callable(roster) else (lambda recheck: roster)
@@ -126,8 +133,8 @@ class CallVerifier:
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._logged_steward_keys = logged_steward_keys or tuple
         self._logged_retired_keys = logged_retired_keys or frozenset
-        self._logged_member_keys = logged_member_keys or tuple
-        self._logged_member_additions = logged_member_additions or tuple
+        self._logged_member_keys = logged_member_keys or _none_logged
+        self._logged_member_additions = logged_member_additions or _none_logged
         self._skew_reports = ClockSkewReports()
 
     @property
@@ -176,10 +183,10 @@ class CallVerifier:
         named = list(self._logged_steward_keys())
         member = caller_by_logs(self._roster(False), signer, named) or caller_by_logs(self._roster(True), signer, named)
         if member is None:  # perhaps a member's key the logs' rotation named, the roster copy not yet
-            member = member_by_logs(self._roster(False), signer, self._logged_member_keys(),
-                                    self._logged_member_additions())
+            member = member_by_logs(self._roster(False), signer, self._logged_member_keys(signer),
+                                    self._logged_member_additions(signer))
         if member is None:  # perhaps a member the logs added, the roster copy not yet
-            member = member_by_additions(self._roster(False), signer, self._logged_member_additions())
+            member = member_by_additions(self._roster(False), signer, self._logged_member_additions(signer))
         if member is None:
             return CallRefused("unknown_signer", f"the {self.signed}'s key is not a member of this community")
         signed = _signed_bytes(subject, reply, timestamp, headers[HEADER_CALLER_NONCE], body)

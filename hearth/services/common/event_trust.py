@@ -90,7 +90,8 @@ def logged_keys(steward_keys: StewardKeysFromTheLog | None) -> dict[str, Any]:
     if steward_keys is None:
         return {}
     return dict(logged_steward_keys=steward_keys.named, logged_retired_keys=steward_keys.retired_keys,
-                logged_member_keys=steward_keys.member_keys, logged_member_additions=steward_keys.member_additions)
+                logged_member_keys=lambda signer: steward_keys.views().member_keys_bearing_on(signer),
+                logged_member_additions=lambda signer: steward_keys.views().additions_bearing_on_signer(signer))
 
 
 def open_verifier(settings: HearthSettings, steward_keys: StewardKeysFromTheLog | None = None) -> CallVerifier | None:
@@ -145,7 +146,7 @@ def logged_member(roster: Roster, name: str, steward_keys: StewardKeysFromTheLog
     """Member `name` as the logs `steward_keys` follows added it, where the roster copy does not name it yet."""
     if steward_keys is None:
         return None
-    return member_named_by_additions(roster, name, steward_keys.member_additions())
+    return member_named_by_additions(roster, name, steward_keys.views().additions_bearing_on_member(name))
 
 
 def logged_key_of(member: Member, steward_keys: StewardKeysFromTheLog | None) -> str | None:
@@ -154,8 +155,9 @@ def logged_key_of(member: Member, steward_keys: StewardKeysFromTheLog | None) ->
     two successors of one key (fail closed until a roster settles it)."""
     if steward_keys is None:
         return member.public_key
-    current, _ = current_key_by_logs(member, steward_keys.member_keys())
-    return None if current is None or current in steward_keys.retired_keys() else current
+    views = steward_keys.views()
+    current, _ = current_key_by_logs(member, views.member_keys_of(member.name))
+    return None if current is None or current in views.retired else current
 
 
 def member_public_keys(settings: HearthSettings,

@@ -6,7 +6,9 @@ names the new one, a member's key rotation retires its key for them and names it
 member's removal retires its key, and a member's addition makes its key that member's (member_additions), with no new
 roster copy.
 What it learns it keeps in a file in the process's state folder, read first at its next start
-(hearth/services/common/kept_steward_keys.py): a removal or rotation that has aged out of the streams still counts."""
+(hearth/services/common/kept_steward_keys.py): a removal or rotation that has aged out of the streams still counts.
+Calls, opens and steps ask it through views (hearth/services/common/logged_key_views.py), built again only when a new
+change is read."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from hearth.services.common.kept_steward_keys import (
     load_kept_removals,
     write_kept_removals,
 )
+from hearth.services.common.logged_key_views import LoggedKeyViews
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class StewardKeysFromTheLog:
         self.kept_file = kept_file
         # Read apart from the streams' own: each stream's rotations are judged at their place in its log.
         self._kept_keys = LoggedKeys()
+        self._views: LoggedKeyViews | None = None  # what both teach, built when asked (views())
         self._kept: dict[tuple[str, int], KeptRemoval] = {}
         self._kept_written = True  # False while a removal learned is not in the file yet
         self._writing = asyncio.Lock()  # one write at a time, so a later one never lands under an earlier one
@@ -62,33 +66,39 @@ class StewardKeysFromTheLog:
         self.retirement_listeners: list[Callable[[MemberRemoved], None]] = []
         self._tasks: list[asyncio.Task] = []
 
+    def views(self) -> LoggedKeyViews:
+        """What the logs and the kept file retired and named so far, indexed by key and member: the same object until
+        a new removal, rotation or addition is read."""
+        if self._views is None:
+            self._views = LoggedKeyViews.of(self._kept_keys, self._logged)
+        return self._views
+
     def named(self) -> list[tuple[str, str]]:
         """Each steward key the logs named so far, or the kept file did, with the one it succeeded (every stream's)."""
-        named = dict(self._kept_keys.steward_keys)
-        named.update(self._logged.steward_keys)  # a stream's own log, where it still holds the rotation
-        return [(key, succeeded) for (_, key), succeeded in named.items()]
+        return list(self.views().steward_keys)
 
     def member_keys(self) -> list[tuple[str, str, str]]:
         """Each member key (not the steward's) the logs or the kept file named so far: (it, the key it succeeded, the
-        member), every stream's; CallVerifier's `logged_member_keys`."""
-        return [*self._kept_keys.named_member_keys(), *self._logged.named_member_keys()]
+        member), every stream's (a check of one key or member asks views())."""
+        return list(self.views().member_keys)
 
     def member_additions(self) -> list[tuple[str, LoggedAddition]]:
-        """Each member the logs or the kept file added so far, with its key, every stream's; CallVerifier's
-        `logged_member_additions`."""
-        return [*self._kept_keys.named_additions(), *self._logged.named_additions()]
+        """Each member the logs or the kept file added so far, with its key, every stream's (a check of one key or
+        member asks views())."""
+        return list(self.views().additions)
 
     def retired_keys(self) -> frozenset[str]:
         """Every key a verified removal or rotation on any stream read so far, or in the kept file, retired: it signs
         no call or open from then on (a call stands at no position in a log), whatever this process's roster copy
         says."""
-        return frozenset(key for _, key in self._logged.removed | self._kept_keys.removed)
+        return self.views().retired
 
     async def start(self, catch_up_timeout_s: float = steward_keys_catch_up_s) -> None:
         """Start following, the kept file read first; return once every stream was read to its end, or after
         `catch_up_timeout_s` (said)."""
         if self.kept_file is not None:
             self._kept_keys, kept = await asyncio.to_thread(load_kept_removals, self.kept_file, self._verifier)
+            self._views = None
             self._kept = {(removal.stream, removal.seq): removal for removal in kept}
         self._tasks = [asyncio.create_task(self._follow(stream), name=f"steward-keys-{stream}")
                        for stream in self.streams]
@@ -142,8 +152,9 @@ class StewardKeysFromTheLog:
         if not counts_on_its_stream(self._logged, message.event):
             return False
         newly_retired = isinstance(message.event, MemberRemoved) and \
-            message.event.public_key not in self.retired_keys()
+            not self._retired_on_some_stream(message.event.public_key)
         self._logged.record(message.event)
+        self._views = None  # built again when next asked
         if newly_retired:
             for listener in self.retirement_listeners:
                 listener(message.event)
@@ -151,6 +162,12 @@ class StewardKeysFromTheLog:
             self._kept[(message.stream, message.seq)] = KeptRemoval.of(message)
             self._kept_written = False
         return True
+
+    def _retired_on_some_stream(self, key: str) -> bool:
+        """Whether retired_keys() holds `key`, without building the views again for each change read while catching
+        up (a verified change counts only on a stream of MEMBER_REMOVAL_SUBJECTS)."""
+        return any((stream, key) in keys.removed for keys in (self._logged, self._kept_keys)
+                   for stream in MEMBER_REMOVAL_SUBJECTS)
 
     async def _write_kept(self) -> None:
         """Write what was learned since the last write to the kept file (a failed write is said, never fatal: the
