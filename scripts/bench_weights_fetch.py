@@ -28,7 +28,8 @@ from hearth.inference.checksum import file_sha256  # noqa: E402
 from hearth.services.broker.connection import connect_nats  # noqa: E402
 from hearth.services.broker.server import EmbeddedNatsServer  # noqa: E402
 from hearth.services.weights_objects import fetch_object  # noqa: E402
-from hearth.services.weights_store import open_bucket  # noqa: E402
+from hearth.services.broker.permissions import WEIGHTS_BUCKET  # noqa: E402
+from hearth.services.broker.weights_bucket import ensure_weights_bucket  # noqa: E402
 
 OBJECT_KEY = "bench/layer-0"
 
@@ -43,7 +44,8 @@ class BenchObject:
 async def run(url: str, mib: int, rounds: int, folder: Path) -> dict:
     nc = await connect_nats(url, name="bench-weights-fetch")
     js = nc.jetstream()
-    store = await open_bucket(js, create=True)  # as `hearth weights publish` makes it
+    await ensure_weights_bucket(js, 2 * mib * 2**20)  # as the steward's tooling makes it (room for the object)
+    store = await js.object_store(WEIGHTS_BUCKET)
     data = os.urandom(mib * 2**20)
     await store.put(OBJECT_KEY, data)
     stored = BenchObject(file="layer-0.bin", size=len(data), sha256=hashlib.sha256(data).hexdigest())

@@ -77,7 +77,7 @@ _STREAM_NAME_IN_USE_ERR_CODE = 10058
 _REPLICAS_NEED_A_CLUSTER_ERR_CODE = 10074
 _STREAM_UPDATE_REFUSED_ERR_CODE = 10052
 _SUBJECTS_OVERLAP_ERR_CODE = 10065
-_NO_ROOM_IN_STORE_ERR_CODE = 10047
+NO_ROOM_IN_STORE_ERR_CODE = 10047
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
             raise StreamsIncompatible(
                 f"the event stream {config.name} cannot be created: another stream on the broker already holds its "
                 f"subjects ({', '.join(config.subjects or ())}); remove those subjects from it") from None
-        if error.err_code == _NO_ROOM_IN_STORE_ERR_CODE:
+        if error.err_code == NO_ROOM_IN_STORE_ERR_CODE:
             raise _no_room_in_store(config) from None
         if error.err_code != _STREAM_NAME_IN_USE_ERR_CODE:
             raise
@@ -195,7 +195,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         # Deleted between our add and update: create it.
         await keeping_cancellation(js.add_stream(config))
     except APIError as error:
-        if error.err_code == _NO_ROOM_IN_STORE_ERR_CODE:
+        if error.err_code == NO_ROOM_IN_STORE_ERR_CODE:
             raise _no_room_in_store(config) from None
         if error.err_code != _STREAM_UPDATE_REFUSED_ERR_CODE:
             raise

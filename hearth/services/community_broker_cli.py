@@ -98,10 +98,11 @@ def streams_command(
     nats_url: CommunityNatsOption = None,
 ) -> None:
     """Create the event streams and the orchestrators' call-nonce bucket on the community's broker, or bring them to
-    the current spec, with the steward's system key (DIR/keys/system.nk): on a community broker no other member may.
-    `hearth nats --community` does this itself at start; run it for a broker started otherwise (compose.yaml runs it
-    once)."""
+    the current spec, with the steward's system key (DIR/keys/system.nk): on a community broker no other member may;
+    and bound the weights bucket to [weights] max_store_mb when set. `hearth nats --community` does this itself at
+    start; run it for a broker started otherwise (compose.yaml runs it once)."""
     from hearth.services.broker.streams import create_community_streams
+    from hearth.services.broker.weights_bucket import WeightsBucketError, shown_size, weights_bucket_bound_bytes
     from hearth.services.common.lifecycle import run_event_loop
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.trust.community import Community
@@ -113,10 +114,14 @@ def streams_command(
               "streams", command)
     nats = settings(ctx).nats
     nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": Community(directory).roster_path})
+    weights_max_bytes = weights_bucket_bound_bytes(settings(ctx).weights)  # the store's size is not known here
     try:
-        run_event_loop(create_community_streams(nats, system_key, ready_timeout_s=nats.streams_create_timeout_s))
-    except BrokerUnreachable as error:
+        run_event_loop(create_community_streams(nats, system_key, ready_timeout_s=nats.streams_create_timeout_s,
+                                                weights_max_bytes=weights_max_bytes))
+    except (BrokerUnreachable, WeightsBucketError) as error:
         fail(str(error), command)
     except Exception as error:  # JetStream refused or never became ready: say so in one line
         fail(f"the event streams were not created: {error}", command)
-    typer.echo(f"event streams ready on {nats.url}", err=True)
+    bound = ("; the weights store's bound is left as it is ([weights] max_store_mb unset)" if weights_max_bytes is None
+             else f"; the weights store may hold {shown_size(weights_max_bytes)}")
+    typer.echo(f"event streams ready on {nats.url}{bound}", err=True)

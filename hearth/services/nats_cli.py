@@ -127,6 +127,7 @@ def nats_command(
     """Run nats-server with JetStream (fsync on every write) until SIGINT/SIGTERM: one server, or a cluster."""
     from hearth.services.broker.cluster import ClusterNodeServer, EmbeddedNatsCluster
     from hearth.services.broker.server import EmbeddedNatsServer, NatsServerError
+    from hearth.services.broker.weights_bucket import weights_bucket_bound_bytes
 
     stop_requested = _stop_on_signals()  # from now on: a stop while the servers start lets them start, then stops
     store = store if store is not None else default_store(port)
@@ -141,6 +142,7 @@ def nats_command(
         _fail("--node needs --community: the nodes' route password derives from the community's system key")
     # Read before any server starts: a configuration the steward's tooling cannot use is refused with nothing running.
     nats_settings = None if community is None else settings(ctx).nats
+    weights_settings = None if community is None else settings(ctx).weights
     server_options = dict(host=host, authorization=_authorization(community),
                           tls_block=_tls_block(tls_cert, tls_key, tls_ca))
     if cluster is not None:
@@ -175,7 +177,8 @@ def nats_command(
     if community is not None:
         steward = _steward_settings(nats_settings, servers, community, tls=tls_cert is not None)
         if steward is not None:
-            _create_streams(steward, community, one_node=node is not None)
+            _create_streams(steward, community, one_node=node is not None,
+                            weights_max_bytes=weights_bucket_bound_bytes(weights_settings, servers.store_bound))
             sweeper = _consumer_sweeper(steward, community)
     typer.echo(servers.url)
     typer.echo(f"JetStream store: {store.resolve()}  (Ctrl-C to stop)", err=True)
@@ -248,9 +251,12 @@ def _steward_settings(nats_settings: "NatsSettings", servers: "EmbeddedNatsServe
     return nats_settings.model_copy(update={"url": servers.url, "roster_file": Community(community).roster_path})
 
 
-def _create_streams(steward: "NatsSettings", community: Path, *, one_node: bool) -> None:
-    """The event streams, created with the community's system key: no other member may administer them."""
+def _create_streams(steward: "NatsSettings", community: Path, *, one_node: bool,
+                    weights_max_bytes: int | None) -> None:
+    """The event streams, created with the community's system key: no other member may administer them; then the
+    weights bucket's bound."""
     from hearth.services.broker.streams import create_community_streams_blocking
+    from hearth.services.broker.weights_bucket import WeightsBucketError, shown_size
     from hearth.trust.community import Community
 
     later = f"create them with `hearth community streams --dir {community} --nats URL`"
@@ -259,11 +265,16 @@ def _create_streams(steward: "NatsSettings", community: Path, *, one_node: bool)
         return
     try:
         create_community_streams_blocking(steward, Community(community).system_key_path,
-                                          ready_timeout_s=steward.streams_create_timeout_s)
+                                          ready_timeout_s=steward.streams_create_timeout_s,
+                                          weights_max_bytes=weights_max_bytes)
+    except WeightsBucketError as error:  # the event streams are in place
+        typer.echo(f"{COMMAND}: event streams ready; {error}", err=True)
+        return
     except Exception as error:  # the broker still serves; the streams can be created later
         typer.echo(f"{COMMAND}: the event streams were not created ({error}); {later}", err=True)
         return
-    typer.echo(f"{COMMAND}: event streams ready", err=True)
+    bound = "" if weights_max_bytes is None else f"; the weights store may hold {shown_size(weights_max_bytes)}"
+    typer.echo(f"{COMMAND}: event streams ready{bound}", err=True)
 
 
 def _consumer_sweeper(steward: "NatsSettings", community: Path) -> "ConsumerSweeper":

@@ -1,4 +1,5 @@
-"""`hearth weights`: publish a checkpoint into the community's object store, list what is stored, prefetch a part.
+"""`hearth weights`: publish a checkpoint into the community's object store, list what is stored and the room left,
+remove a model, prefetch a part.
 
 The bodies live in hearth/services/weights_store.py and weights_publish.py (imported when a command runs, so
 `hearth` starts without torch).
@@ -69,8 +70,10 @@ def publish_command(
     insecure: InsecureOption = False,
 ) -> None:
     """Store a checkpoint per layer (plus head and tokenizer files and a manifest with each object's SHA-256; a
-    GGUF keeps its block types, its metadata stored as one header object). On a community mesh only the steward's
-    `system` key may write the store."""
+    GGUF keeps its block types, its metadata stored as one header object), within the store's bound ([weights]
+    max_store_mb): one it has no room for is refused before anything is stored. On a community mesh only the
+    steward's `system` key may write the store."""
+    from hearth.services.broker.weights_bucket import weights_bucket_bound_bytes
     from hearth.services.weights_publish import check_publishable, publish_checkpoint
     from hearth.services.weights_store import WeightsStoreError
 
@@ -80,7 +83,9 @@ def publish_command(
     except WeightsStoreError as error:
         _fail("publish", str(error))
     use_credentials(ctx, "hearth weights publish", creds, insecure)
-    manifest = _run(ctx, "publish", nats_url, lambda js: publish_checkpoint(js, path, name))
+    max_store_bytes = weights_bucket_bound_bytes(settings(ctx).weights)
+    manifest = _run(ctx, "publish", nats_url,
+                    lambda js: publish_checkpoint(js, path, name, max_store_bytes=max_store_bytes))
     typer.echo(f"published {name}: {manifest.num_layers} layers in {len(manifest.objects)} objects, weights "
                f"{manifest.weights_sha256[:12]}; load it with --model store:{name}")
 
@@ -92,18 +97,58 @@ def list_command(
     creds: CredsOption = None,
     insecure: InsecureOption = False,
 ) -> None:
-    """The models in the community's store: name, layers, size, weights digest (or why its manifest is unreadable)."""
+    """The models in the community's store: name, layers, size, weights digest (or why its manifest is unreadable);
+    then, on stderr, what the store holds and the room it has left."""
+    from hearth.services.broker.weights_bucket import bucket_room, shown_size
     from hearth.services.common.display import display_text
     from hearth.services.weights_store import list_models
 
+    async def listing(js):
+        return await list_models(js), await bucket_room(js)
+
     use_credentials(ctx, "hearth weights list", creds, insecure)
-    for name, manifest in _run(ctx, "list", nats_url, list_models):
+    models, room = _run(ctx, "list", nats_url, listing)
+    models_bytes = 0
+    for name, manifest in models:
         if isinstance(manifest, Exception):
             typer.echo(f"{display_text(name)}\tunreadable: {display_text(str(manifest))}")
             continue
-        size_mb = sum(stored.size for stored in manifest.objects) / (1 << 20)
-        typer.echo(f"{display_text(manifest.name)}\t{manifest.num_layers} layers\t{size_mb:.1f} MB\t"
+        size = sum(stored.size for stored in manifest.objects)
+        models_bytes += size
+        typer.echo(f"{display_text(manifest.name)}\t{manifest.num_layers} layers\t{shown_size(size)}\t"
                    f"{manifest.weights_sha256[:12]}")
+    if room is not None:  # None: the bucket was deleted since its models were listed
+        typer.echo(_room_line(models_bytes, room), err=True)
+
+
+def _room_line(models_bytes: int, room) -> str:
+    from hearth.services.broker.weights_bucket import WHERE_THE_BOUND_COMES_FROM, shown_size
+
+    held = f"weights store: models {shown_size(models_bytes)}, {shown_size(room.held)} held"
+    if room.bound is None:
+        return f"{held}, no bound: publishing is refused until it has one ({WHERE_THE_BOUND_COMES_FROM})"
+    return f"{held} of {shown_size(room.bound)}, {shown_size(room.free)} free"
+
+
+@weights_app.command("remove")
+def remove_command(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="The stored model: NAME, or store:NAME as --model names it.")],
+    nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
+) -> None:
+    """Remove a stored model: its manifest first (no host starts fetching it afterwards), then every object stored
+    under its name, an interrupted publication's too. Hosts serving it from their cache go on. On a community mesh
+    only the steward's `system` key may."""
+    from hearth.services.broker.weights_bucket import shown_size
+    from hearth.services.weights_publish import remove_model
+    from hearth.services.weights_store import STORE_MODEL_PREFIX
+
+    name = name.removeprefix(STORE_MODEL_PREFIX)  # the name checked where it is removed
+    use_credentials(ctx, "hearth weights remove", creds, insecure)
+    objects, size = _run(ctx, "remove", nats_url, lambda js: remove_model(js, name))
+    typer.echo(f"removed {name}: {objects} objects, {shown_size(size)} freed")
 
 
 @weights_app.command("fetch")

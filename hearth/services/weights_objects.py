@@ -1,7 +1,8 @@
 """Objects of the community's weights bucket read back, replaced and cleared away: never more bytes than stated (into
 memory for a manifest, into a file of the cache for a layer's or a file's object), within a deadline, and an object
-checked against the SHA-256 its manifest states before it takes its name in the cache; a manifest replaced only from
-the state its publisher read (put_object_if_unchanged); unused objects deleted by key.
+checked against the SHA-256 its manifest states before it takes its name in the cache, and one the stream holds fewer
+chunks of than its info states refused at once as incomplete; a manifest replaced only from the state its publisher
+read (put_object_if_unchanged); unused objects deleted by key, or purged with nothing left of them.
 
 Why read here and not by nats-py's ObjectStore.get: it takes chunks until the stream says none are pending, whatever
 size the object's info states (a publisher writes that info itself), follows a link to another object into memory,
@@ -56,6 +57,10 @@ class ObjectMissing(WeightsStoreError):
     stored."""
 
 
+class ObjectIncomplete(WeightsStoreError):
+    """An object's info names more chunks than the bucket holds: chunks purged or lost since it was stored."""
+
+
 class _BoundedWriter:
     """Hands an object's chunks to `sink` as they are read, refusing any past `limit` bytes."""
 
@@ -108,6 +113,7 @@ async def _read_chunks(js, key: str, info, what: str, write: Callable[[bytes], A
         return digest
     if not info.nuid:
         raise WeightsStoreError(f"{what} names no chunks")
+    await _check_chunks_stored(js, key, info, what)
     sub = await js.subscribe(_chunk_subject(info.nuid), stream=WEIGHTS_STREAM, ordered_consumer=True)
     try:
         while True:
@@ -125,6 +131,21 @@ async def _read_chunks(js, key: str, info, what: str, write: Callable[[bytes], A
     finally:
         with contextlib.suppress(NatsError):  # a closed connection has dropped it already
             await sub.unsubscribe()
+
+
+async def _check_chunks_stored(js, key: str, info, what: str) -> None:
+    """ObjectIncomplete when the stream holds fewer chunks of object `key` than its info states (chunks purged or
+    lost since it was stored), ObjectMissing when the object was replaced or deleted meanwhile: said at once, where
+    reading would end in a digest mismatch or wait out OBJECT_CHUNK_IDLE_S for chunks that never come."""
+    subject = _chunk_subject(info.nuid)
+    state = (await keeping_cancellation(js.stream_info(WEIGHTS_STREAM, subjects_filter=subject))).state
+    stored = (state.subjects or {}).get(subject, 0)
+    if not isinstance(info.chunks, int) or stored >= info.chunks:
+        return
+    if (await stored_meta(js, key)).chunks_nuid != info.nuid:
+        raise ObjectMissing(f"{what} was deleted while it was read")
+    raise ObjectIncomplete(f"{what} is incomplete in the store ({stored} of its {info.chunks} chunks): publish it "
+                           "again")
 
 
 async def read_small_object(js, key: str, what: str, max_bytes: int) -> bytes:
@@ -324,6 +345,15 @@ def _meta_subject(key: str) -> str:
     import base64
 
     return f"$O.{WEIGHTS_BUCKET}.M.{base64.urlsafe_b64encode(key.encode()).decode()}"
+
+
+async def purge_object(js, key: str) -> None:
+    """Remove object `key` from the weights stream with nothing left of it: its chunks, then its meta message
+    (nats-py's delete writes a tombstone in its place, which a bucket at its bound may refuse)."""
+    meta = await stored_meta(js, key)
+    if meta.chunks_nuid is not None:
+        await keeping_cancellation(js.purge_stream(WEIGHTS_STREAM, subject=_chunk_subject(meta.chunks_nuid)))
+    await keeping_cancellation(js.purge_stream(WEIGHTS_STREAM, subject=_meta_subject(key)))
 
 
 async def delete_objects(store, keys: set[str]) -> None:

@@ -1,5 +1,7 @@
-"""Publishing a checkpoint into the community's weights bucket: its objects under keys of this publication's own, the
-manifest last (hearth/services/weights_store.py says what is stored and how it is fetched)."""
+"""What the steward writes into the community's weights bucket: a checkpoint published (its objects under keys of this
+publication's own, the manifest last; nothing left of a publication stopped midway) within the bucket's bound
+(hearth/services/broker/weights_bucket.py), and a model removed (hearth/services/weights_store.py says what is stored
+and how it is fetched)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ import re
 from pathlib import Path
 
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of, partial_source
-from hearth.services.weights_objects import WeightsStoreError, delete_objects, put_new_object, \
+from hearth.services.broker.permissions import WEIGHTS_BUCKET
+from hearth.services.broker.weights_bucket import STORE_FULL_ERR_CODES, WeightsBucketError, ensure_weights_bucket, \
+    shown_size
+from hearth.services.weights_objects import WeightsStoreError, delete_objects, purge_object, put_new_object, \
     put_object_if_unchanged, stored_meta
 from hearth.services.weights_store import GGUF_EVERY_LAYER_OBJECT, GGUF_FORMAT_VERSION, GGUF_HEAD_OBJECT, \
     GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT, HEAD_OBJECT, LAYER_OBJECT_FORMAT, MANIFEST_OBJECT, \
@@ -25,6 +30,11 @@ MANIFEST_SWITCH_ATTEMPTS = 5
 # interrupted publication's. Before that they may be another publisher's, still storing its objects (one object is a
 # layer: minutes at most).
 ABANDONED_PUBLICATION_AGE_S = 24 * 3600
+# What the server counts for one stored message beyond its payload (its subject, headers and record), at most: a
+# chunk's is under a hundred bytes, an object's meta message a few hundred.
+STORED_MESSAGE_OVERHEAD_BYTES = 512
+# How long a stopped publication may take to remove what it stored.
+DISCARD_TIMEOUT_S = 30.0
 
 
 def _layer_blobs(folder: Path):
@@ -96,11 +106,16 @@ def check_publishable(path: Path) -> Path | None:
     return gguf
 
 
-async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
+async def publish_checkpoint(js, folder: Path, name: str, *, max_store_bytes: int | None = None) -> WeightsManifest:
     """Store the checkpoint `folder` (a safetensors folder, a GGUF file or a folder holding one) as `name`
     (replacing what was there), one layer in memory at a time, under keys of this publication's own; the manifest
     goes last, so a reader never sees a manifest naming objects not yet stored or since rewritten, and only then are
-    the objects it does not name deleted."""
+    the objects it does not name deleted.
+
+    The bucket is first brought to `max_store_bytes` ([weights] max_store_mb; None: the bound the broker gave it),
+    and a checkpoint it has no room for is refused before anything is stored. A publication stopped midway (the
+    store filled meanwhile, an error, Ctrl-C) removes what it stored: nothing of it is left, and `name` stays as it
+    was."""
     import secrets
 
     from pydantic import ValidationError
@@ -110,18 +125,28 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
 
     check_model_name(name)
     gguf = await asyncio.to_thread(check_publishable, folder)
+    side_files = [] if gguf else _side_files(folder)
     try:
         stored_gguf, num_layers, blobs = (await asyncio.to_thread(_gguf_blobs, gguf) if gguf else (
             None, int(read_config_dict(folder)["num_hidden_layers"]), _layer_blobs(folder)))
-        digest = await asyncio.to_thread(weights_sha256, gguf or folder)
         layer_bytes = gguf.stat().st_size if gguf else sum(file.stat().st_size for file in folder.glob("*.safetensors"))
+        payload_bytes = layer_bytes + sum(file.stat().st_size for file in side_files)
     except (CheckpointError, KeyError, ValueError, OSError) as error:
-        raise WeightsStoreError(f"{folder} is not a checkpoint hearth can publish: {error}") from None
-    store = await open_bucket(js, create=True)
+        raise _unpublishable(folder, error) from None
+    # Objects: each layer's, the head's, a GGUF's header and every-layer tensors', each side file.
+    needed = stored_bytes_estimate(payload_bytes, num_layers + 3 + len(side_files))
+    store = await _bucket_with_room(js, name, needed, max_store_bytes)  # before hashing: a refusal comes at once
+    try:
+        digest = await asyncio.to_thread(weights_sha256, gguf or folder)
+    except (CheckpointError, OSError) as error:
+        raise _unpublishable(folder, error) from None
     objects: list[StoredObject] = []
     weight_map: dict[str, str] = {}
     tensor_specs: dict[str, TensorSpec] = {}
     version = secrets.token_hex(8)
+
+    def stored_keys() -> set[str]:
+        return {object_key(name, stored.file, version) for stored in objects}
 
     async def put(file: str, kind: str, layer: int | None, data: bytes) -> None:
         await put_new_object(js, object_key(name, file, version), data, OBJECT_CHUNK_BYTES)
@@ -129,27 +154,37 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
                                     sha256=hashlib.sha256(data).hexdigest()))
         bar.update(len(data))
 
-    with progress_bar(layer_bytes, f"publishing {name}") as bar:
-        for side_file in [] if gguf else _side_files(folder):
-            await put(side_file.name, "file", None, side_file.read_bytes())
-        while (item := await asyncio.to_thread(next, blobs, None)) is not None:
-            file, kind, layer, data, specs = item
-            await put(file, kind, layer, data)
-            weight_map.update(dict.fromkeys(specs, file))
-            tensor_specs.update(specs)
+    try:
+        with progress_bar(layer_bytes, f"publishing {name}") as bar:
+            for side_file in side_files:
+                await put(side_file.name, "file", None, side_file.read_bytes())
+            while (item := await asyncio.to_thread(next, blobs, None)) is not None:
+                file, kind, layer, data, specs = item
+                await put(file, kind, layer, data)
+                weight_map.update(dict.fromkeys(specs, file))
+                tensor_specs.update(specs)
+    except BaseException as error:  # an error, or Ctrl-C cancelling the task: no manifest will name what it stored
+        await _discard_publication(js, stored_keys())
+        if _store_full(error):
+            raise _filled(name, sum(stored.size for stored in objects), needed) from None
+        raise
     try:
         manifest = WeightsManifest(format_version=GGUF_FORMAT_VERSION if gguf else 1, name=name,
                                    num_layers=num_layers, weights_sha256=digest, objects=objects,
                                    weight_map=weight_map, tensors=tensor_specs, gguf=stored_gguf,
                                    objects_version=version)
     except ValidationError as error:  # nothing names the objects stored
-        await delete_objects(store, {object_key(name, stored.file, version) for stored in objects})
+        await _discard_publication(js, stored_keys())
         raise WeightsStoreError(f"{folder} cannot be published: {error.errors()[0]['msg']}") from None
-    kept = {object_key(name, MANIFEST_OBJECT)} | {object_key(name, stored.file, version) for stored in objects}
+    kept = {object_key(name, MANIFEST_OBJECT)} | stored_keys()
     try:
         replaced = await _switch_manifest(js, name, manifest)
-    except WeightsStoreError:
-        await delete_objects(store, kept - {object_key(name, MANIFEST_OBJECT)})  # no manifest names them
+    except BaseException as error:
+        # Refused, or no room for it: no manifest names them (after another error the server may have stored it).
+        if isinstance(error, WeightsStoreError) or _store_full(error):
+            await _discard_publication(js, stored_keys())
+        if _store_full(error):
+            raise _filled(name, sum(stored.size for stored in objects), needed) from None
         raise
     # Only now, and only the objects of the manifest this switch replaced: a host may still be reading them (it is
     # refused, and reads this one anew), and another publisher's objects, stored or being stored, are its own.
@@ -159,6 +194,80 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
     await _delete_abandoned(js, store, name, kept)
     log.info("published %s: %d objects, weights %s", name, len(objects), digest[:12])
     return manifest
+
+
+def _store_full(error: BaseException) -> bool:
+    return getattr(error, "err_code", None) in STORE_FULL_ERR_CODES
+
+
+def _filled(name: str, stored_bytes: int, needed: int) -> WeightsStoreError:
+    return WeightsStoreError(
+        f"the weights store filled while {name!r} was published ({shown_size(stored_bytes)} of about "
+        f"{shown_size(needed)} stored: another publication, or the broker's store as a whole, took the room "
+        f"meanwhile): what it stored is removed and {name!r} is as it was")
+
+
+def _unpublishable(folder: Path, error: Exception) -> WeightsStoreError:
+    return WeightsStoreError(f"{folder} is not a checkpoint hearth can publish: {error}")
+
+
+def stored_bytes_estimate(payload_bytes: int, objects: int) -> int:
+    """What storing `payload_bytes` in at most `objects` objects (and a manifest) takes in the bucket, as the server
+    counts it: each object's chunks (one partly filled at most) and meta message, each with its subject and headers."""
+    messages = payload_bytes // OBJECT_CHUNK_BYTES + 2 * (objects + 1)
+    return payload_bytes + messages * STORED_MESSAGE_OVERHEAD_BYTES
+
+
+async def _bucket_with_room(js, name: str, needed: int, max_store_bytes: int | None):
+    """The bucket, brought to its bound, once it has room for `needed` bytes more; WeightsStoreError (one line, the
+    sizes and the room said) otherwise. A republish needs room for both publications: the one it replaces goes once
+    its manifest is switched."""
+    try:
+        room = await ensure_weights_bucket(js, max_store_bytes)
+    except WeightsBucketError as error:
+        raise WeightsStoreError(str(error)) from None
+    if needed > room.free:
+        raise WeightsStoreError(
+            f"{name!r} needs about {shown_size(needed)} in the weights store, which has {shown_size(room.free)} free "
+            f"of its {shown_size(room.bound)}: `hearth weights list` shows what it holds, `hearth weights remove NAME` "
+            "frees a model's room")
+    return await js.object_store(WEIGHTS_BUCKET)
+
+
+async def _discard_publication(js, keys: set[str]) -> None:
+    """Purge the objects `keys` of a publication no manifest names, within DISCARD_TIMEOUT_S; what cannot be is
+    said and left to the next publication of the name (_delete_abandoned)."""
+    try:
+        async with asyncio.timeout(DISCARD_TIMEOUT_S):
+            for key in sorted(keys):
+                await purge_object(js, key)
+    except Exception as error:  # the error that stopped the publication is the one to raise
+        log.warning("the %d objects this publication stored could not all be removed (%s): the next publication "
+                    "of its name removes them a day on", len(keys), f"{type(error).__name__}: {error}")
+
+
+async def remove_model(js, name: str) -> tuple[int, int]:
+    """Remove stored model `name`: its manifest first (no host starts fetching it afterwards), then every object
+    stored under its name (an interrupted publication's too), leaving nothing of them in the bucket; the objects
+    removed and their bytes. WeightsStoreError when the store holds nothing under that name. Hosts serving it
+    from their cache go on; a republish of the name meanwhile may name objects removed here (fetching it then
+    says which is missing)."""
+    from nats.js.errors import NotFoundError
+
+    check_model_name(name)
+    store = await open_bucket(js)
+    try:
+        infos = [info for info in await store.list(ignore_deletes=False) if info.name.startswith(f"{name}/")]
+    except NotFoundError:  # an empty bucket
+        infos = []
+    present = [info for info in infos if not info.deleted]
+    if not present:
+        raise WeightsStoreError(f"no model {name!r} in the community's store (`hearth weights list`)")
+    manifest_key = object_key(name, MANIFEST_OBJECT)
+    for info in sorted(infos, key=lambda info: (info.name != manifest_key, info.name)):
+        await purge_object(js, info.name)  # a deleted object's tombstone too
+    log.info("removed %s: %d objects", name, len(present))
+    return len(present), sum(info.size or 0 for info in present)
 
 
 async def _switch_manifest(js, name: str, manifest: WeightsManifest) -> WeightsManifest | None:

@@ -10,7 +10,7 @@ rope_freqs, apart), and the manifest's `gguf` section saying where each tensor l
 $HEARTH_CACHE_DIR/store/NAME (default ~/.cache/hearth): only the objects a layer range (or the head) needs, each
 checked against the manifest, assembled into a folder the loader reads (hearth/inference/partial_checkpoint.py; for a
 GGUF, a GGUF of only those tensors) advertising the original checkpoint's digest. Who may write and read the bucket:
-hearth/services/broker/permissions.py.
+hearth/services/broker/permissions.py; how much it may hold: hearth/services/broker/weights_bucket.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NeededTensors, assemble_partial_folder, check_needed, \
     complete_partial_folder, hearth_cache_dir, remove_abandoned, selection_name
-from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
+from hearth.services.broker.permissions import WEIGHTS_BUCKET
 from hearth.services.weights_objects import ObjectMissing, WeightsStoreError, fetch_object, object_intact, \
     read_small_object
 
@@ -188,31 +188,16 @@ def progress_bar(total_bytes: int, description: str):
                 disable=None)  # disable=None: no bar when stderr is not a terminal
 
 
-async def open_bucket(js, *, create: bool):
-    """The weights bucket (created, and its readers' consumers limited, when `create`: the publisher)."""
-    from nats.js.api import ObjectStoreConfig
+async def open_bucket(js):
+    """The weights bucket; WeightsStoreError when the broker has none. Its bound is the steward's to set
+    (hearth/services/broker/weights_bucket.py)."""
     from nats.js.errors import BucketNotFoundError
 
     try:
-        store = await js.object_store(WEIGHTS_BUCKET)
+        return await js.object_store(WEIGHTS_BUCKET)
     except BucketNotFoundError:
-        if not create:
-            raise WeightsStoreError(f"the broker has no {WEIGHTS_BUCKET!r} object store: nothing was published") \
-                from None
-        store = await js.create_object_store(WEIGHTS_BUCKET, config=ObjectStoreConfig(
-            description="hearth: checkpoints stored per layer (hearth weights publish)"))
-    if create:  # the publisher, the only one who may administer its stream, holds its readers' consumers to limits
-        await _limit_consumers(js)
-    return store
-
-
-async def _limit_consumers(js) -> None:
-    from hearth.events.streams import consumer_limits, max_consumers_per_stream, weights_consumer_inactive_limit_s
-
-    limits = consumer_limits(weights_consumer_inactive_limit_s)
-    config = (await js.stream_info(WEIGHTS_STREAM)).config
-    if config.max_consumers != max_consumers_per_stream or config.consumer_limits != limits:
-        await js.update_stream(config.evolve(max_consumers=max_consumers_per_stream, consumer_limits=limits))
+        raise WeightsStoreError(f"the broker has no {WEIGHTS_BUCKET!r} object store: nothing was published") \
+            from None
 
 
 async def read_manifest(js, name: str) -> WeightsManifest:
@@ -220,7 +205,7 @@ async def read_manifest(js, name: str) -> WeightsManifest:
     from nats.js.errors import ObjectNotFoundError
     from pydantic import ValidationError
 
-    await open_bucket(js, create=False)  # one clear line when nothing was ever published
+    await open_bucket(js)  # one clear line when nothing was ever published
     try:
         data = await read_small_object(js, object_key(name, MANIFEST_OBJECT), f"the manifest of {name!r}",
                                        MANIFEST_MAX_BYTES)
@@ -240,7 +225,7 @@ async def list_models(js) -> list[tuple[str, WeightsManifest | WeightsStoreError
     or of a format this hearth predates) does not hide the others."""
     from nats.js.errors import NotFoundError
 
-    store = await open_bucket(js, create=False)
+    store = await open_bucket(js)
     try:
         infos = await store.list()
     except NotFoundError:  # an empty bucket

@@ -269,3 +269,27 @@ def test_hearth_nats_for_a_community_sweeps_a_consumer_that_pushes_a_stream_else
         assert process.wait(timeout=15) == 0
     assert ("deleted consumer pushes-elsewhere of HEARTH_SHARDS: eve made it deliver to 'llm.chat.request', "
             "not into eve's own inbox") in process.stderr.read()
+
+
+def test_hearth_nats_for_a_community_bounds_the_weights_store_beside_the_event_streams(tmp_path):
+    """Before, the weights bucket had no bound and could take the room the event streams reserve."""
+    from hearth.services.broker.weights_bucket import bucket_room, shown_size
+
+    community = Community.init(tmp_path / "community", "cli-test")
+    process, url = start_hearth_nats(free_tcp_port(), tmp_path / "store", "--community", str(community.directory))
+
+    async def weights_room():
+        steward = await connect_nats(url, settings=NatsSettings(url=url, creds_file=community.system_key_path,
+                                                                connect_timeout_s=5))
+        try:
+            return await bucket_room(steward.jetstream())
+        finally:
+            await steward.close()
+
+    try:
+        room = asyncio.run(weights_room())
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    assert room.bound > 0 and room.held == 0
+    assert f"event streams ready; the weights store may hold {shown_size(room.bound)}" in process.stderr.read()

@@ -12,10 +12,13 @@ import sys
 import pytest
 
 from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
+from hearth.services.broker.weights_bucket import ensure_weights_bucket
 from hearth.services.weights_objects import fetch_object
 from hearth.services.weights_publish import publish_checkpoint
-from hearth.services.weights_store import LAYER_OBJECT_FORMAT, WeightsStoreError, fetch_stored_model, object_key
-from tests.integration.test_weights_store import NAME, community_server, js, published  # noqa: F401  (fixtures)
+from hearth.services.weights_store import LAYER_OBJECT_FORMAT, MANIFEST_OBJECT, WeightsStoreError, fetch_stored_model, \
+    object_key
+from tests.integration.test_weights_store import NAME, TEST_BUCKET_BYTES, _member_js
+from tests.integration.test_weights_store import community_server, js, published  # noqa: F401  (fixtures)
 from tests.unit.inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 
 
@@ -201,6 +204,13 @@ def test_a_key_the_broker_refuses_is_told_as_such_in_one_line(community_server, 
     community, server = community_server
     keys = community.directory / "keys"
     original = tiny_model_dir("llama", max_shard_size="100KB")
+
+    async def bucket_made_by_the_steward():  # as `hearth nats --community` makes it at start
+        nc, system_js = await _member_js(community, server, "system")
+        await ensure_weights_bucket(system_js, TEST_BUCKET_BYTES)
+        await nc.close()
+
+    asyncio.run(bucket_made_by_the_steward())
     for command, key in ((["weights", "publish", str(original), "--name", NAME], "shard-a"),
                          (["weights", "list"], "alice")):
         result = CliRunner().invoke(app, [*command, "--nats", server.url, "--creds", str(keys / f"{key}.nk")])
@@ -237,36 +247,42 @@ async def test_a_fetch_under_way_when_its_model_is_republished_fetches_the_new_p
                             load_layer_range(other, 0, 1, **RUNNER_KV_LIMITS))
 
 
-@pytest.mark.parametrize("gone", ["chunks", "object"])
+@pytest.mark.parametrize("gone", ["chunks before", "chunks while read", "object while read"])
 async def test_an_object_whose_chunks_stop_coming_is_given_up_without_waiting_out_its_size(js, published, tmp_path,
                                                                                              gone, monkeypatch):
     """Before, a fetch whose chunks stopped coming (purged, or the object deleted by a republish after its info was
-    read) waited the whole object's deadline: half an hour for a 2 GB layer. Now a chunk that does not come within
-    OBJECT_CHUNK_IDLE_S ends it, as a missing object when it was deleted meanwhile (the fetch then reads the manifest
-    anew)."""
+    read) waited the whole object's deadline: half an hour for a 2 GB layer. Now chunks missing before the read are
+    said at once (incomplete), and a chunk that does not come within OBJECT_CHUNK_IDLE_S ends the read, as a missing
+    object when it was deleted meanwhile (the fetch then reads the manifest anew)."""
     from hearth.services import weights_objects
-    from hearth.services.weights_objects import ObjectMissing
+    from hearth.services.weights_objects import ObjectIncomplete, ObjectMissing
 
     _, manifest = published
     stated = next(stored for stored in manifest.objects if stored.file == LAYER_OBJECT_FORMAT.format(1))
     key = object_key(NAME, stated.file, manifest.objects_version)
     store = await js.object_store(WEIGHTS_BUCKET)
+    chunks = f"$O.{WEIGHTS_BUCKET}.C.{(await store.get_info(key)).nuid}"
     monkeypatch.setattr(weights_objects, "OBJECT_FETCH_BASE_TIMEOUT_S", 600.0)  # the whole object's: not the one
     monkeypatch.setattr(weights_objects, "OBJECT_CHUNK_IDLE_S", 1.0)
-    if gone == "chunks":
-        await js.purge_stream(WEIGHTS_STREAM, subject=f"$O.{WEIGHTS_BUCKET}.C.{(await store.get_info(key)).nuid}")
+    if gone == "chunks before":
+        await js.purge_stream(WEIGHTS_STREAM, subject=chunks)
     else:
         subscribe = js.subscribe
 
-        async def deleted_meanwhile(*args, **kwargs):
-            await store.delete(key)
+        async def gone_meanwhile(*args, **kwargs):
+            if gone == "object while read":
+                await store.delete(key)
+            else:
+                await js.purge_stream(WEIGHTS_STREAM, subject=chunks)
             return await subscribe(*args, **kwargs)
 
-        monkeypatch.setattr(js, "subscribe", deleted_meanwhile)
+        monkeypatch.setattr(js, "subscribe", gone_meanwhile)
     objects = tmp_path / "objects"
     objects.mkdir()
-    refusal = ObjectMissing if gone == "object" else WeightsStoreError
-    with pytest.raises(refusal, match="lacks its object" if gone == "object" else "no chunk .* for 1 s"):
+    refusal, said = {"chunks before": (ObjectIncomplete, "is incomplete in the store \\(0 of its 1 chunks\\)"),
+                     "chunks while read": (WeightsStoreError, "no chunk .* for 1 s"),
+                     "object while read": (ObjectMissing, "lacks its object")}[gone]
+    with pytest.raises(refusal, match=said):
         await asyncio.wait_for(fetch_object(js, key, NAME, stated, objects), 20)
 
 
@@ -301,3 +317,28 @@ def test_a_side_file_no_object_may_be_named_is_refused_for_publishing_in_one_lin
     with pytest.raises(WeightsStoreError, match=r"^.*tokenizer\.json~ cannot be published under its name \(letters, "
                                                 r"digits, '_', '\.' or '-'\): rename or remove it$"):
         check_publishable(folder)
+
+
+async def test_a_manifest_switch_cut_off_while_storing_its_chunks_leaves_none_behind(js, published, monkeypatch):
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from hearth.services.weights_objects import put_object_if_unchanged, stored_meta
+
+    async def chunk_subjects() -> dict:
+        info = await js.stream_info(WEIGHTS_STREAM, subjects_filter=f"$O.{WEIGHTS_BUCKET}.C.>")
+        return info.state.subjects or {}
+
+    before, publish, published_count = await chunk_subjects(), js.publish, []
+
+    async def cut_off(subject, payload=b"", **kwargs):
+        published_count.append(subject)
+        if len(published_count) == 3:  # the third chunk: the connection broke
+            raise NatsTimeout
+        return await publish(subject, payload, **kwargs)
+
+    key = object_key(NAME, MANIFEST_OBJECT)
+    monkeypatch.setattr(js, "publish", cut_off)
+    with pytest.raises(NatsTimeout):
+        await put_object_if_unchanged(js, key, b"{}" * 4096, await stored_meta(js, key), 1024)
+    monkeypatch.undo()
+    assert await chunk_subjects() == before  # no meta message names them: nothing could delete them later

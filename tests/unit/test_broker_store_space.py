@@ -1,6 +1,6 @@
 """The broker's JetStream store is bounded (`max_file_store`: what it holds plus 3/4 of its disk's free space at
-start), a bound too small for hearth's streams is said in one line, and a store that met a full disk is named once
-and its server restarted once the disk has room again."""
+start), a bound too small for hearth's streams is said in one line, a store that met a full disk is named once and its
+server restarted once the disk has room again, and the weights bucket's bound is its share of what the streams leave."""
 
 from __future__ import annotations
 
@@ -118,3 +118,15 @@ def test_a_disk_full_to_the_byte_is_noticed_without_the_servers_log(tmp_path, fr
     free_space["free"] = 64 * MiB
     watch.check()
     assert server.restarts == 1
+
+
+def test_the_weights_bucket_takes_its_share_of_the_room_beyond_the_streams_or_the_bound_it_is_given():
+    from hearth.services.broker.weights_bucket import weights_bucket_bound_bytes
+    from hearth.services.common.config import WeightsSettings
+
+    reserve = store_space.streams_reserve_bytes()
+    assert weights_bucket_bound_bytes(WeightsSettings(store_share=0.5), reserve + 100 * MiB) == 50 * MiB
+    assert weights_bucket_bound_bytes(WeightsSettings(), reserve) is None  # no room beyond the streams: no bucket
+    assert weights_bucket_bound_bytes(WeightsSettings(), None) is None  # a store hearth did not bound
+    assert weights_bucket_bound_bytes(WeightsSettings(max_store_mb=2.5), None) == 2.5 * MiB
+    assert weights_bucket_bound_bytes(WeightsSettings(max_store_mb=2.5), reserve + 100 * MiB) == 2.5 * MiB

@@ -178,6 +178,13 @@ class EmbeddedNatsCluster:
         """Every node's client URL, comma-separated (what `--nats` and HEARTH_NATS_URL take)."""
         return ",".join(self.urls)
 
+    @property
+    def store_bound(self) -> int | None:
+        """The smallest node's `max_file_store` (None until every node started): a stream of one copy, such as the
+        weights bucket, may lie on any node."""
+        bounds = [node.store_bound for node in self.nodes]
+        return None if None in bounds else min(bounds)
+
     def start(self, healthy_timeout_s: float = cluster_healthy_timeout_s) -> "EmbeddedNatsCluster":
         """Start every node, then wait until each has joined the cluster (its /healthz says ok)."""
         try:

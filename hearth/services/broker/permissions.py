@@ -20,8 +20,8 @@ orchestrators write it (call_nonces_recording: publish into the bucket and look 
 through the API, and only `system` administers it.
 
 The community's weights (hearth/services/weights_store.py, the object store WEIGHTS_BUCKET): shard hosts and
-orchestrators read them (weights_store_reading); only `system` writes them (`hearth weights publish` with the steward's
-key).
+orchestrators read them (weights_store_reading); only `system` writes them (`hearth weights publish` and `remove` with
+the steward's key) and bounds the bucket (hearth/services/broker/weights_bucket.py).
 """
 
 from __future__ import annotations

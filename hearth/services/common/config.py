@@ -261,6 +261,22 @@ class EventsSettings(ConfigSection):
                     "(future_dated), so no timestamp can pin routing")
 
 
+class WeightsSettings(ConfigSection):
+    """[weights]: how much of the broker's JetStream store the community's checkpoints (`hearth weights`) may take:
+    the weights bucket's bound, which the server reserves beside the event streams' own
+    (hearth/services/broker/weights_bucket.py)."""
+
+    store_share: float = Field(
+        default=0.8, gt=0, le=1,
+        description="the weights bucket may hold this share of the room left in the store `hearth nats --community` "
+                    "bounds, beyond what the event streams and the call-nonce bucket reserve (set at each start)")
+    max_store_mb: float | None = Field(
+        default=None, gt=0,
+        description="the most the weights bucket may hold, in place of store_share; for a broker `hearth nats` does "
+                    "not bound (a --node cluster, one started otherwise) `hearth community streams` and `hearth "
+                    "weights publish` apply it, and without it publishing there is refused until the bucket has one")
+
+
 class ReadModelSettings(ConfigSection):
     """[readmodels]: how long every read model (the projector's, an orchestrator's, a host's) keeps history, by the
     log's clock (docs/design.md §4, "Retention"); rows that are state are kept whatever their age."""
@@ -315,6 +331,7 @@ class HearthSettings(BaseSettings):
     gateway: GatewaySettings = GatewaySettings()
     events: EventsSettings = EventsSettings()
     readmodels: ReadModelSettings = ReadModelSettings()
+    weights: WeightsSettings = WeightsSettings()
     metrics: MetricsSettings = MetricsSettings()
 
     @model_validator(mode="before")

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hearth.services.broker.streams import create_community_streams_blocking
+from hearth.services.broker.weights_bucket import weights_bucket_bound_bytes
 from hearth.services.common.child_processes import ends_with_this_process
-from hearth.services.common.config import ENV_NESTED_DELIMITER, ENV_PREFIX, NatsSettings
+from hearth.services.common.config import ENV_NESTED_DELIMITER, ENV_PREFIX, NatsSettings, WeightsSettings
 from hearth.services.common.hearth_files import SOURCES_ROOT
 from hearth.services.common.logging import default_log_level
 from hearth.services.common.scratch_folders import ScratchFolder
@@ -201,7 +202,9 @@ class LocalCluster:
         if self.community is not None:  # as `hearth nats --community` does: only the steward may create them
             settings = self.nats_settings()
             create_community_streams_blocking(settings, self.system_creds,
-                                              ready_timeout_s=settings.streams_create_timeout_s)
+                                              ready_timeout_s=settings.streams_create_timeout_s,
+                                              weights_max_bytes=weights_bucket_bound_bytes(WeightsSettings(),
+                                                                                           self.nats.store_bound))
         return self.nats_url
 
     def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True, writes_ready_file: bool = True,
