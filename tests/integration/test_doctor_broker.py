@@ -1,6 +1,7 @@
 """`hearth doctor` against a real community broker: a member's key is admitted, the event streams its role waits for
 are there and its clock is within the broker's; a key the broker does not know is refused, and the checks that need
-the login are skipped saying so; a caller's `hearth doctor` passes and says whether an orchestrator answers."""
+the login are skipped saying so; a caller's `hearth doctor` passes and says whether an orchestrator answers; a TLS
+broker whose certificate another CA signed fails the login saying which setting to fix."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from hearth.services.broker.server import EmbeddedNatsServer
+from hearth.services.broker.tls import write_throwaway_ca
 from hearth.services.cli import app
 from hearth.services.doctor.command import run_checks
 from hearth.trust.community import Community
@@ -62,3 +65,17 @@ def test_a_callers_doctor_passes_and_says_no_orchestrator_answers(community_brok
     checks = {check["check"]: check for check in json.loads(result.output)["checks"]}
     assert checks["broker"]["verdict"] == "ok" and checks["clock"]["verdict"] == "skip"
     assert checks["orchestrators"]["verdict"] == "warn" and "llm.models" in checks["orchestrators"]["detail"]
+
+
+def test_a_tls_broker_whose_certificate_another_ca_signed_fails_the_login_naming_the_ca_setting(tmp_path,
+                                                                                                   monkeypatch):
+    brokers, ours = write_throwaway_ca(tmp_path / "broker-ca"), write_throwaway_ca(tmp_path / "our-ca")
+    monkeypatch.setenv("HEARTH_NATS__TLS_CA_FILE", str(ours.ca_file))
+    monkeypatch.setenv("HEARTH_NATS__CONNECT_TIMEOUT_S", "1")
+    with EmbeddedNatsServer(store_dir=tmp_path / "nats", tls_block=brokers.server_block()) as server:
+        checks = {check.check: check for check in run_checks(
+            None, "client", name=None, model=None, memory_budget_mb=None, device=None, dtype=None, quantize=None,
+            nats_url=server.url, creds=None, insecure=True, community=None)}
+    assert checks["tls"].verdict == "ok"  # the files load: only the broker shows they are not its CA's
+    assert checks["broker"].verdict == "fail" and "its TLS handshake failed" in checks["broker"].detail
+    assert "tls_ca_file" in checks["broker"].fix

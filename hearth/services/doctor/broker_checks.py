@@ -38,6 +38,8 @@ doctor_refused_grace_s = 1.0
 clock_warn_share = 0.5
 CONNECT_FIX = ("start the broker (on its machine: hearth nats --host 0.0.0.0 --community DIR), or give its URL with "
                "--nats (or [nats] url); a firewall between must let its port through")
+TLS_FIX = ("set [nats] tls_ca_file to the CA that signed the broker's certificate (the community's tls/ca.pem), and "
+           "reach the broker by a host name its certificate holds (`hearth community tls --host HUB`)")
 REFUSED_FIX = ("the broker does not admit this key yet: a broker run by `hearth nats --community DIR` takes the "
                "steward's roster within seconds (is this member in it?); for another nats-server the steward renders "
                "`hearth community nats-config` into its configuration and reloads it")
@@ -86,7 +88,7 @@ async def broker_checks(settings: HearthSettings, role: DoctorRole, member: str 
         return BrokerFindings([refused, *skipped_broker_checks(role, "the broker refused the login", store_model)])
     except BrokerUnreachable as error:
         said = str(error).replace(nats.url, url)
-        return BrokerFindings([fail("broker", said, CONNECT_FIX),
+        return BrokerFindings([fail("broker", said, TLS_FIX if error.tls_failure is not None else CONNECT_FIX),
                                *skipped_broker_checks(role, "the broker is unreachable", store_model)])
     except (CommandRefused, ValueError, OSError) as error:  # what nats-py or the files it reads refused at once
         return BrokerFindings([fail("broker", f"cannot log in to {url}: {str(error).replace(nats.url, url)}"),
