@@ -84,12 +84,14 @@ def _cached_config(path_text: str, version: FileVersion) -> dict:
         if isinstance(cached, dict):
             return cached
         # Through JSON even when just parsed, so a parsed and a cached config are the same dict (lists, not tuples).
-        config = json.loads(json.dumps(_parsed_config(Path(path_text))))
+        config = json.loads(json.dumps(parsed_gguf_config(Path(path_text))))
         entry.write_json(CONFIG_CACHE_NAME, config)
         return config
 
 
-def _parsed_config(path: Path) -> dict:
+def parsed_gguf_config(path: Path) -> dict:
+    """The HF config of the GGUF at `path` parsed from its metadata (its header checked first), with no cache read or
+    written (`hearth doctor` reads only); CheckpointError (one line) for a file hearth does not serve."""
     from transformers import AutoConfig
 
     checked_gguf_header(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,13 +123,22 @@ def _table_from_json(stored) -> GGUFTable:
     return GGUFTable(str(stored["architecture"]), tensors, frozenset(int(t) for t in stored["stop_token_ids"]))
 
 
-def layer_tensor_blocks(path: Path) -> dict[int, list[tuple[tuple[int, ...], str]]]:
+LayerBlocks = dict[int, list[tuple[tuple[int, ...], str]]]
+
+
+def layer_tensor_blocks(path: Path) -> LayerBlocks:
     """(shape in torch order, GGUF block type name) of each decoder layer's tensors, from the tensor table alone."""
-    blocks: dict[int, list[tuple[tuple[int, ...], str]]] = {}
-    for tensor in gguf_table(path).tensors:
-        parts = tensor.name.split(".")
+    return layer_blocks_of((tensor.name, tensor.shape, tensor.block_type.name) for tensor in gguf_table(path).tensors)
+
+
+def layer_blocks_of(tensors: Iterable[tuple[str, tuple[int, ...], str]]) -> LayerBlocks:
+    """What layer_tensor_blocks says, of tensors given as (GGUF name, shape in torch order, block type name): from a
+    tensor table, or from a header read by hearth/inference/gguf_header.py (which writes no cache)."""
+    blocks: LayerBlocks = {}
+    for name, shape, block_type in tensors:
+        parts = name.split(".")
         if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
-            blocks.setdefault(int(parts[1]), []).append((tensor.shape, tensor.block_type.name))
+            blocks.setdefault(int(parts[1]), []).append((shape, block_type))
     return blocks
 
 

@@ -21,6 +21,7 @@ from hearth.services.cli_errors import OneLineErrorsGroup
 from hearth.services.community_cli import community_app
 from hearth.services.db_cli import db_app
 from hearth.services.dashboards.cli import dashboards_app, status_command
+from hearth.services.doctor.command import doctor_command
 from hearth.services.gateway.command import gateway_command
 from hearth.services.host.cli import host_command
 from hearth.services.cli_options import (
@@ -118,6 +119,7 @@ def main_options(
 
 app.command("nats", epilog=NATS_HELP_EPILOG)(nats_command)
 app.command("status")(status_command)
+app.command("doctor")(doctor_command)
 app.command("gateway", epilog=STOPPING_HELP)(gateway_command)
 app.command("host", epilog=SHARD_STOPPING_HELP)(host_command)
 

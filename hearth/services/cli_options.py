@@ -260,6 +260,11 @@ InsecureOption = Annotated[
 ]
 
 
+# What a command given no member key (and no --insecure) tells its user to do.
+NO_CREDENTIALS_FIX = ("give --creds FILE (a member key from `hearth community add`), or --insecure to use an open "
+                      "broker")
+
+
 def use_credentials(ctx: typer.Context, command: str, creds: Path | None, insecure: bool):
     """Secure by default: this invocation logs in with `--creds` (or the configured key) and returns its
     Identity; with neither a key nor `--insecure` it ends with one line; `--insecure` warns and returns None."""
@@ -274,8 +279,7 @@ def use_credentials(ctx: typer.Context, command: str, creds: Path | None, insecu
     state._settings = current.model_copy(update={"nats": nats_settings})
     if nats_settings.creds_file is None:
         if not nats_settings.insecure:
-            typer.echo(f"{command}: no credentials: give --creds FILE (a member key from `hearth community add`), "
-                       "or --insecure to use an open broker", err=True)
+            typer.echo(f"{command}: no credentials: {NO_CREDENTIALS_FIX}", err=True)
             raise typer.Exit(EXIT_REFUSED)
         logging.getLogger("hearth").warning(
             "%s: running without credentials (--insecure): anyone who reaches the broker can read prompts and "
@@ -305,23 +309,27 @@ def node_id_for(command: str, identity, node_id: str | None, role: str) -> str |
     that no roster names (none was found beside it) is refused: neither its role nor its name could be checked."""
     if identity is None:
         return node_id
-    if identity.member is None:
-        typer.echo(f"{command}: no community roster names the key {identity.key.public_key[:12]}... (none beside it, "
-                   "no [nats] roster_file): a "
-                   f"{role} checks its own role and the members' signatures against it. Put the community's "
-                   "roster.json beside the key's keys/ folder, or set [nats] roster_file", err=True)
-        raise typer.Exit(EXIT_REFUSED)
-    if identity.member.role != role:
-        held, needed = _with_article(identity.member.role), _with_article(role)
-        typer.echo(f"{command}: the key belongs to {identity.name}, {held}, not {needed}: {needed} logs in "
-                   f"with {needed} member's key (the steward adds one: hearth community add --name NAME --role "
-                   f"{role})", err=True)
-        raise typer.Exit(EXIT_REFUSED)
-    if node_id is not None and node_id != identity.name:
-        typer.echo(f"{command}: --node-id {node_id} differs from the member name {identity.name}; a host's node id "
-                   "is its member name", err=True)
+    why = member_refusal(identity, role, node_id)
+    if why is not None:
+        typer.echo(f"{command}: {why}", err=True)
         raise typer.Exit(EXIT_REFUSED)
     return identity.name
+
+
+def member_refusal(identity, role: str, node_id: str | None) -> str | None:
+    """Why the member `identity` (services.common.identity.Identity) may not run as a `role` whose node id is
+    `node_id` (None: its member name), in one line saying what fixes it; None when it may."""
+    if identity.member is None:
+        return (f"no community roster names the key {identity.key.public_key[:12]}... (none beside it, no [nats] "
+                f"roster_file): a {role} checks its own role and the members' signatures against it. Put the "
+                "community's roster.json beside the key's keys/ folder, or set [nats] roster_file")
+    if identity.member.role != role:
+        held, needed = _with_article(identity.member.role), _with_article(role)
+        return (f"the key belongs to {identity.name}, {held}, not {needed}: {needed} logs in with {needed} member's "
+                f"key (the steward adds one: hearth community add --name NAME --role {role})")
+    if node_id is not None and node_id != identity.name:
+        return f"--node-id {node_id} differs from the member name {identity.name}; a host's node id is its member name"
+    return None
 
 
 def _with_article(role: str) -> str:

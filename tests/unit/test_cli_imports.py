@@ -36,6 +36,7 @@ def test_importing_the_hearth_cli_does_not_load_torch():
         ["hearth.services.cli", "projector", "--help"],
         ["hearth.services.cli", "db", "upgrade", "--help"],
         ["hearth.services.cli", "db", "vacuum", "--help"],
+        ["hearth.services.cli", "doctor", "--help"],
     ],
 )
 def test_help_of_the_light_commands_does_not_load_torch(argv):

@@ -57,7 +57,7 @@ def parses(monkeypatch):
             return function(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(gguf_checkpoint, "_parsed_config", counted("config", gguf_checkpoint._parsed_config))
+    monkeypatch.setattr(gguf_checkpoint, "parsed_gguf_config", counted("config", gguf_checkpoint.parsed_gguf_config))
     monkeypatch.setattr(gguf_tensor_table, "_parsed_table", counted("table", gguf_tensor_table._parsed_table))
     monkeypatch.setattr(gguf_checkpoint, "_parsed_tokenizer",
                         counted("tokenizer", gguf_checkpoint._parsed_tokenizer))

@@ -89,6 +89,9 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
     "services.devtools": (*_MODEL_SIDE, "readmodels", "services.cli_options", "services.model_options",
                           "services.client", "services.gateway",
                           "services.shard", "services.orchestrator", "services.projector", "services.host"),
+    # `hearth doctor` checks what each serving command would load, with their own functions.
+    "services.doctor": (*_MODEL_SIDE, "services.cli_options", "services.model_options", "services.client",
+                        "services.gateway", "services.shard", "services.host"),
     "services.cli": ("*",),  # the entry point: every command's module, each loaded when its command runs
 }
 

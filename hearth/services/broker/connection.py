@@ -62,6 +62,7 @@ class BrokerUnreachable(ConnectionError):
         super().__init__(f"cannot reach NATS at {url} within {timeout_s:g} s{cause}")
         self.url = url
         self.timeout_s = timeout_s
+        self.tls_failure = tls_failure
 
 
 class BrokerConnectionClosed(CommandRefused):
@@ -141,6 +142,7 @@ class BrokerRefusedCredentials(BrokerUnreachable):
                                     else "it needs credentials; give --creds FILE"))
         self.url = url
         self.timeout_s = 0.0
+        self.tls_failure = None
 
 
 async def connect_nats(

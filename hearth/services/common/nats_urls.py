@@ -30,7 +30,7 @@ def checked_nats_url(url: str) -> str:
 
 def _check_one_url(url: str) -> None:
     written = url if "://" in url else f"{_DEFAULT_SCHEME}://{url}"
-    shown = _without_password(url)
+    shown = url_without_password(url)
     try:
         parts = urlsplit(written)
         port = parts.port  # ValueError: not a number, or out of 0-65535
@@ -44,7 +44,7 @@ def _check_one_url(url: str) -> None:
         raise ValueError(f"NATS URL {shown!r}: port 0 is no port a broker listens on")
 
 
-def _without_password(url: str) -> str:
+def url_without_password(url: str) -> str:
     """`url` as a refusal may show it: a user:password@ in it written as ***@ (the line may end up in a log)."""
     scheme, separator, rest = url.rpartition("://")
     if "@" not in rest:

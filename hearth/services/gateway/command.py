@@ -44,6 +44,26 @@ def community_of(creds_file: Path | None) -> Path | None:
     return roster.parent if roster is not None else None
 
 
+def api_keys_folder(community: Path | None, hearth_settings, *, on_community_mesh: bool) -> Path | None:
+    """The community folder whose api_keys.json the gateway serves: `--community`, else [gateway] community_dir,
+    else the folder of the member key it logs in with; None on an open mesh. ValueError (one line) when a community
+    mesh has none, or an open one was given one."""
+    configured = community or hearth_settings.gateway.community_dir
+    if not on_community_mesh:
+        if configured is not None:
+            # API keys sign calls with their members' keys: on an open mesh there is nothing to check them against,
+            # and serving without them while the operator asked for them would let anyone in unnoticed.
+            raise ValueError("--community (or [gateway] community_dir) asks for API keys, which an open mesh "
+                             "(--insecure) does not use: give --creds instead of --insecure, or leave out the "
+                             "community")
+        return None
+    found = configured or community_of(hearth_settings.nats.creds_file)
+    if found is None:
+        raise ValueError("on a community mesh API keys are needed: give --community DIR (with api_keys.json from "
+                         "`hearth community api-key`)")
+    return found
+
+
 def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
     """A bound, listening socket (port 0: any free one); CommandRefused when the address cannot be had."""
     from hearth.services.common.lifecycle import CommandRefused
@@ -146,21 +166,11 @@ def gateway_command(
     use_metrics_host(ctx, metrics_host)
     identity = use_credentials(ctx, "hearth gateway", creds, insecure)
     hearth_settings = settings(ctx)
-    community_dir = None
-    if identity is None and (community is not None or hearth_settings.gateway.community_dir is not None):
-        # API keys sign calls with their members' keys: on an open mesh there is nothing to check them against, and
-        # serving without them while the operator asked for them would let anyone in unnoticed.
-        typer.echo("hearth gateway: --community (or [gateway] community_dir) asks for API keys, which an open "
-                   "mesh (--insecure) does not use: give --creds instead of --insecure, or leave out the community",
-                   err=True)
-        raise typer.Exit(1)
-    if identity is not None:
-        community_dir = (community or hearth_settings.gateway.community_dir
-                         or community_of(hearth_settings.nats.creds_file))
-        if community_dir is None:
-            typer.echo("hearth gateway: on a community mesh API keys are needed: give --community DIR (with "
-                       "api_keys.json from `hearth community api-key`)", err=True)
-            raise typer.Exit(1)
+    try:
+        community_dir = api_keys_folder(community, hearth_settings, on_community_mesh=identity is not None)
+    except ValueError as error:
+        typer.echo(f"hearth gateway: {error}", err=True)
+        raise typer.Exit(1) from None
     gateway_settings = hearth_settings.gateway
     sock = listening_socket(host or gateway_settings.host, gateway_settings.port if port is None else port,
                             gateway_settings.listen_backlog)

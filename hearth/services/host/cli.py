@@ -38,6 +38,13 @@ from hearth.services.model_options import (
 # rather than failing as a traceback once the budget is turned into bytes.
 MAX_MEMORY_BUDGET_MB = 1e12
 
+# `hearth host --memory-budget-mb` (and `hearth doctor`'s, which checks that it holds a layer).
+MemoryBudgetOption = Annotated[Optional[finite_between(0.001, MAX_MEMORY_BUDGET_MB)], typer.Option(
+    "--memory-budget-mb", show_default=False, metavar=FINITE_FLOAT_METAVAR,
+    help="Memory this host gives the mesh on its device: weights plus [shard] kv_cache_budget_mb, which left at its "
+         "default takes at most a quarter of this (default: [shard] max_memory_mb; at most what the device has free "
+         "at start).")]
+
 
 @long_running("hearth host")
 def host_command(
@@ -45,11 +52,7 @@ def host_command(
     model: Annotated[str, typer.Option("--model", help="Checkpoint folder, GGUF file, ollama:NAME[:TAG] (a model "
                                                        "Ollama pulled here), hub model id or store:NAME (the "
                                                        "community's store: only the layers served are fetched).")],
-    memory_budget_mb: Annotated[Optional[finite_between(0.001, MAX_MEMORY_BUDGET_MB)], typer.Option(
-        "--memory-budget-mb", show_default=False, metavar=FINITE_FLOAT_METAVAR,
-        help="Memory this host gives the mesh on its device: weights plus [shard] kv_cache_budget_mb, which left "
-             "at its default takes at most a quarter of this (default: [shard] max_memory_mb; at most what the "
-             "device has free at start).")] = None,
+    memory_budget_mb: MemoryBudgetOption = None,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
     quantize: QuantizeOption = None,

@@ -100,6 +100,16 @@ async def planned_budget_bytes(shard: ShardSettings, device: torch.device, node:
     return available
 
 
+def budget_refusal(layer_bytes: list[int], budget_bytes: int, shard: ShardSettings, served_id: str) -> str | None:
+    """Why a memory budget of `budget_bytes` (weights plus the KV reserve) can serve no layer of `served_id`, whose
+    layers weigh `layer_bytes`, whatever the mesh serves; None when some layer fits."""
+    if any(size <= budget_bytes - kv_reserve_bytes(shard) for size in layer_bytes):
+        return None
+    return (f"a memory budget of {shown_mb(budget_bytes)} MB holds no layer of {served_id}: the smallest needs "
+            f"{shown_mb(min(layer_bytes, default=0))} MB plus {shown_mb(kv_reserve_bytes(shard))} MB "
+            "kv_cache_budget_mb")
+
+
 async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id: str, layer_bytes: list[int],
                         weights_budget: int, settings: HearthSettings,
                         leave_out: Set[str] = frozenset()) -> LayerRange:
@@ -173,11 +183,8 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     digest = layout.weights_sha256
     budget_bytes = await planned_budget_bytes(shard, compute_device, node)
     weights_budget = budget_bytes - kv_reserve_bytes(shard)
-    if not any(size <= weights_budget for size in layer_bytes):  # whatever the mesh serves: said before dialling
-        raise ShardInputRefused(
-            f"a memory budget of {shown_mb(budget_bytes)} MB holds no layer of {served_id}: the smallest needs "
-            f"{shown_mb(min(layer_bytes, default=0))} MB plus {shown_mb(kv_reserve_bytes(shard))} MB "
-            "kv_cache_budget_mb")
+    if (why := budget_refusal(layer_bytes, budget_bytes, shard, served_id)) is not None:  # said before dialling
+        raise ShardInputRefused(why)
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
     metrics_server = None
     with ScratchFolder("hearth-host-") as folder:

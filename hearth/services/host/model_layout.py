@@ -51,12 +51,12 @@ async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch
         manifest = await _store_manifest(name, nats_url, settings)
         return ModelLayout(manifest.num_layers, manifest.layer_weight_bytes(compute_dtype, scheme, device),
                            manifest.weights_sha256, model_id or name)
-    local = await asyncio.to_thread(_local_checkpoint, model)
+    local = await asyncio.to_thread(local_checkpoint, model)
     if local is None:
         layout = await asyncio.to_thread(hub_layout, model)
         total = int(layout.config["num_hidden_layers"])
         per_layer = layer_weight_bytes_of(layout.tensors, compute_dtype, scheme, device=device)
-        return ModelLayout(total, _each_layers_bytes(model, total, per_layer), layout.weights_sha256, model_id or model)
+        return ModelLayout(total, each_layers_bytes(model, total, per_layer), layout.weights_sha256, model_id or model)
     total = int(read_config_dict(local)["num_hidden_layers"])
     if is_gguf_file(local):  # refused while planning, not once a range is announced and loading it fails
         await asyncio.to_thread(check_layer_block_types, local)
@@ -65,10 +65,10 @@ async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch
     digest = await asyncio.to_thread(weights_sha256, local)
     served_id = model_id or (default_model_id(local) if Path(model).expanduser().exists()
                              else served_model_id(model))
-    return ModelLayout(total, _each_layers_bytes(model, total, per_layer), digest, served_id)
+    return ModelLayout(total, each_layers_bytes(model, total, per_layer), digest, served_id)
 
 
-def _each_layers_bytes(model: str, total: int, per_layer: dict[int, int]) -> list[int]:
+def each_layers_bytes(model: str, total: int, per_layer: dict[int, int]) -> list[int]:
     """Each of the `total` layers' bytes; CheckpointError when `model` holds no weights of some of them (an incomplete
     checkpoint: a layer that seemed to weigh nothing would be taken on for free, and then fail to load)."""
     missing = [index for index in range(total) if not per_layer.get(index)]
@@ -78,7 +78,7 @@ def _each_layers_bytes(model: str, total: int, per_layer: dict[int, int]) -> lis
     return [per_layer[index] for index in range(total)]
 
 
-def _local_checkpoint(model: str) -> Path | None:
+def local_checkpoint(model: str) -> Path | None:
     """The folder or GGUF file of `model` on this disk (a hub id: its complete snapshot, or its GGUF in the hub
     cache), None for a hub id to read from the hub."""
     if is_local_model(model):  # a link leading nowhere too: this machine's, not a hub id
