@@ -25,24 +25,41 @@ class LoggedKeys:
     member_keys: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
     additions: dict[tuple[str, str], LoggedAddition] = field(default_factory=dict)  # (stream, key) -> its addition
 
+    # (stream, member) of each addition above: what a later addition's name is checked against, kept as they are
+    # recorded, so that a log's or kept file's thousands of changes are each checked by lookups.
+    _added_members: set[tuple[str, str]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._added_members = {(stream, addition.member) for (stream, _), addition in self.additions.items()}
+
+    def held_here(self, stream: str, key: str) -> bool:
+        """Whether `stream`'s log so far retired `key`, named it (a rotation) or added it."""
+        return any((stream, key) in held for held in (self.removed, self.steward_keys, self.member_keys,
+                                                       self.additions))
+
+    def would_add(self, event: MemberChange) -> LoggedAddition | None:
+        """What `event`, verified, adds where this stands (member_additions.logged_addition): None for a removal or
+        rotation, and for an addition of a key or name its stream already knows."""
+        stream = event.stream
+        return logged_addition(event, lambda key: self.held_here(stream, key),
+                               lambda name: (stream, name) in self._added_members)
+
     def record(self, event: MemberChange) -> None:
         """Keep a verified removal, rotation or addition read in stream order; only the first of a key on a stream
         counts."""
         stream = event.stream
-
-        def held_here(key: str) -> bool:
-            return any((stream, key) in held for held in (self.removed, self.steward_keys, self.member_keys,
-                                                           self.additions))
-
         if not isinstance(event, MemberRemoved):
-            added = logged_addition(event, held_here, lambda name: any(
-                (stream, name) == (where, addition.member) for (where, _), addition in self.additions.items()))
+            added = self.would_add(event)
             if added is not None:
                 self.additions[(stream, event.public_key)] = added
+                self._added_members.add((stream, added.member))
             return
         if (stream, event.public_key) in self.removed:
             return
         self.removed.add((stream, event.public_key))
+
+        def held_here(key: str) -> bool:
+            return self.held_here(stream, key)
 
         passed = passed_steward_key(event, held_here)
         if passed is not None:

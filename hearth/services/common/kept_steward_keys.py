@@ -174,10 +174,7 @@ def counts_on_its_stream(logged: LoggedKeys, event: MemberChange) -> bool:
     addition of a key and name that stream has not known yet."""
     if isinstance(event, MemberRemoved):
         return not logged.removal_logged(event.stream, event.public_key)
-    trial = LoggedKeys(set(logged.removed), dict(logged.steward_keys), dict(logged.member_keys), dict(logged.additions))
-    trial.record(event)
-    return (event.stream, event.public_key) in trial.additions and (event.stream, event.public_key) not in \
-        logged.additions
+    return logged.would_add(event) is not None
 
 
 def load_kept_removals(path: Path, verifier: EventVerifier) -> tuple[LoggedKeys, list[KeptRemoval]]:
