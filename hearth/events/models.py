@@ -18,7 +18,7 @@ from hearth.events.envelope import (
     max_event_hops,
     max_event_number,
 )
-from hearth.events.newer_hearth import newer_hearth_event
+from hearth.events.newer_hearth import could_be_a_type, newer_hearth_event
 from hearth.protocol.bounded_values import Reason
 from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN
 from hearth.protocol.mesh_protocol import max_mesh_protocol
@@ -372,7 +372,7 @@ def _refuse_another_hearths(raw: dict[str, Any]) -> None:
     would be misread)."""
     kind, version = raw.get("type"), raw.get("version", 1)
     if (not isinstance(kind, str) or not isinstance(version, int) or isinstance(version, bool)
-            or abs(version) > max_event_number):
+            or abs(version) > max_event_number or not could_be_a_type(kind)):
         return  # malformed: validation says what is wrong with it
     known = READABLE_VERSIONS.get(kind)
     if known is None or version > known:

@@ -5,6 +5,7 @@ a projection keeps it as a rejected event (`newer_hearth`) that a newer projecto
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ VERSION_MARK = " version "
 told_every_s = 3600.0
 # Types are the emitters' to name: the memory of which were told is bounded.
 max_remembered_kinds = 256
+# What every hearth's event types look like, a family and a kind of subject-token characters ("shard.advertised"): a
+# `type` of another form is no newer hearth's, only a malformed event, and is never kept under a label that could
+# read as a known type's version ("shard.advertised version 1").
+_type_name = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)+")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,11 @@ class EventOfANewerHearth(ValueError):
         self.newer = newer
 
 
+def could_be_a_type(kind: str) -> bool:
+    """Whether `kind` is of the form every hearth's event types take."""
+    return _type_name.fullmatch(kind) is not None
+
+
 def newer_hearth_event(raw: dict[str, Any], kind: str, version: int, readable_up_to: int | None) -> EventOfANewerHearth:
     """The refusal of `raw`, of `kind` at `version`, carrying its envelope where that validates."""
     try:
@@ -70,7 +80,8 @@ def readable_now(label: str, readable_versions: Mapping[str, int]) -> bool:
     given the latest version of each type it reads."""
     kind, _, version = label.partition(VERSION_MARK)
     known = readable_versions.get(kind)
-    return known is not None and (not version or (version.isdigit() and int(version) <= known))
+    # ASCII digits only: a label kept by an earlier hearth may carry any text ("²" is a digit int() does not read).
+    return known is not None and (not version or (version.isascii() and version.isdigit() and int(version) <= known))
 
 
 class NewerHearthNotices:

@@ -8,6 +8,7 @@ validate against the function's `parameters` schema (hearth/services/orchestrato
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, Literal
 
@@ -22,6 +23,30 @@ max_tool_call_arguments_chars = 65_536
 max_tool_calls_per_message = 64
 max_tool_call_id_chars = 128
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class ClosedObject(BaseModel):
+    """An object of a request that refuses a key it does not declare, and only the first such key: an object of many
+    is refused for one, not described key by key (a body's validation runs on its reader's event loop)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_undeclared_key_alone(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        declared = _declared_keys(cls)
+        first = next((key for key in data if key not in declared), None)
+        if first is None:
+            return data
+        return {key: value for key, value in data.items() if key in declared or key == first}
+
+
+@functools.cache
+def _declared_keys(model: type[BaseModel]) -> frozenset[str]:
+    """The keys `model` reads: its fields' names and aliases."""
+    return frozenset(model.model_fields) | {field.alias for field in model.model_fields.values() if field.alias}
 
 
 def _depth(value: Any) -> int:
@@ -54,7 +79,7 @@ JsonSchema = Annotated[dict[str, Any], AfterValidator(_bounded_schema)]
 ToolName = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(ClosedObject):
     """`response_format.json_schema`: the schema the answer validates against (`strict` is accepted; hearth's
     answers always follow the schema)."""
 
@@ -66,7 +91,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(ClosedObject):
     """`text` (the default), `json_object` (any JSON object) or `json_schema` (JSON valid against a schema)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -81,7 +106,7 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(ClosedObject):
     model_config = ConfigDict(extra="forbid")
 
     name: ToolName
@@ -91,20 +116,20 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class Tool(BaseModel):
+class Tool(ClosedObject):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
+class FunctionName(ClosedObject):
     model_config = ConfigDict(extra="forbid")
 
     name: ToolName
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(ClosedObject):
     """A `tool_choice` that names the one function the answer must call."""
 
     model_config = ConfigDict(extra="forbid")
@@ -118,7 +143,7 @@ ToolChoiceMode = Literal["none", "auto", "required"]
 ToolChoice = ToolChoiceMode | NamedToolChoice
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(ClosedObject):
     model_config = ConfigDict(extra="forbid")
 
     name: ToolName
@@ -139,7 +164,7 @@ class FunctionCall(BaseModel):
         return self
 
 
-class ToolCall(BaseModel):
+class ToolCall(ClosedObject):
     """A call an assistant message of the history made (`id`: what the `tool` message answering it names)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -2,7 +2,8 @@
 memory for a manifest, into a file of the cache for a layer's or a file's object), within a deadline, and an object
 checked against the SHA-256 its manifest states before it takes its name in the cache, and one the stream holds fewer
 chunks of than its info states refused at once as incomplete; a manifest replaced only from the state its publisher
-read (put_object_if_unchanged); unused objects deleted by key, or purged with nothing left of them.
+read (put_object_if_unchanged); unused objects deleted by key, or purged with nothing left of them, and chunks no
+object names (a publisher killed while storing them) purged once old.
 
 Why read here and not by nats-py's ObjectStore.get: it takes chunks until the stream says none are pending, whatever
 size the object's info states (a publisher writes that info itself), follows a link to another object into memory,
@@ -354,6 +355,24 @@ async def purge_object(js, key: str) -> None:
     if meta.chunks_nuid is not None:
         await keeping_cancellation(js.purge_stream(WEIGHTS_STREAM, subject=_chunk_subject(meta.chunks_nuid)))
     await keeping_cancellation(js.purge_stream(WEIGHTS_STREAM, subject=_meta_subject(key)))
+
+
+async def purge_unnamed_chunks(js, named: set[str], stored_before: datetime) -> int:
+    """Purge the chunks that no object's meta message names (`named`: the chunk tokens of every meta message, a
+    deleted object's too) whose last chunk the server stored before `stored_before`: what a publisher killed while
+    storing an object left, which no deletion by key could reach. Younger ones may be a publisher's still at work.
+    The number of objects' chunks purged."""
+    prefix = _chunk_subject("")
+    state = (await keeping_cancellation(js.stream_info(WEIGHTS_STREAM, subjects_filter=_chunk_subject(">")))).state
+    purged = 0
+    for subject in state.subjects or {}:
+        if subject.removeprefix(prefix) in named:
+            continue
+        last = await keeping_cancellation(js.get_last_msg(WEIGHTS_STREAM, subject))
+        if last.time is not None and last.time < stored_before:
+            await keeping_cancellation(js.purge_stream(WEIGHTS_STREAM, subject=subject))
+            purged += 1
+    return purged
 
 
 async def delete_objects(store, keys: set[str]) -> None:

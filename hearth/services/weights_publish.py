@@ -9,14 +9,15 @@ import asyncio
 import hashlib
 import logging
 import re
+from datetime import timedelta
 from pathlib import Path
 
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of, partial_source
 from hearth.services.broker.permissions import WEIGHTS_BUCKET
 from hearth.services.broker.weights_bucket import STORE_FULL_ERR_CODES, WeightsBucketError, ensure_weights_bucket, \
     shown_size
-from hearth.services.weights_objects import WeightsStoreError, delete_objects, purge_object, put_new_object, \
-    put_object_if_unchanged, stored_meta
+from hearth.services.weights_objects import WeightsStoreError, delete_objects, purge_object, \
+    purge_unnamed_chunks, put_new_object, put_object_if_unchanged, stored_meta
 from hearth.services.weights_store import GGUF_EVERY_LAYER_OBJECT, GGUF_FORMAT_VERSION, GGUF_HEAD_OBJECT, \
     GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT, HEAD_OBJECT, LAYER_OBJECT_FORMAT, MANIFEST_OBJECT, \
     OBJECT_CHUNK_BYTES, OBJECT_FILE_MAX_CHARS, OBJECT_FILE_PATTERN, StoredObject, TensorSpec, WeightsManifest, \
@@ -290,19 +291,24 @@ async def _delete_abandoned(js, store, name: str, kept: set[str]) -> None:
     """Delete the objects of `name` outside `kept` whose publication (their key's version) stored nothing for
     ABANDONED_PUBLICATION_AGE_S: an interrupted publication's. A younger one may be another publisher's at work.
 
-    Ages are the server's: when it stored each object's info, against when it stored this publication's manifest
+    So are the chunks no object names, whatever name they were stored for (purge_unnamed_chunks). Ages are the
+    server's: when it stored each object's info, against when it stored this publication's manifest
     switch. The info's mtime is the writer's own clock: a publisher's clock running behind would have its upload
     deleted by another publisher while still under way, one running ahead would keep its junk for as long."""
     from nats.js.errors import NotFoundError
 
     try:
-        infos = [info for info in await store.list()
-                 if info.name.startswith(f"{name}/") and info.name not in kept and not info.deleted]
+        every_info = await store.list(ignore_deletes=False)
     except NotFoundError:  # an empty bucket
         return
+    infos = [info for info in every_info
+             if info.name.startswith(f"{name}/") and info.name not in kept and not info.deleted]
     now = (await stored_meta(js, object_key(name, MANIFEST_OBJECT))).stored_at
     if now is None:  # no manifest stored (deleted meanwhile): nothing to measure ages against
         return
+    # The chunks of an object whose publisher was killed before its meta message: no key names them, whatever name.
+    await purge_unnamed_chunks(js, {info.nuid for info in every_info if info.nuid},
+                               now - timedelta(seconds=ABANDONED_PUBLICATION_AGE_S))
     publications: dict[str, list[str]] = {}
     for info in infos:  # NAME/VERSION/FILE, or NAME/FILE stored before publications had versions
         publications.setdefault(info.name.rsplit("/", 1)[0], []).append(info.name)

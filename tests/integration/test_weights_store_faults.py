@@ -342,3 +342,21 @@ async def test_a_manifest_switch_cut_off_while_storing_its_chunks_leaves_none_be
         await put_object_if_unchanged(js, key, b"{}" * 4096, await stored_meta(js, key), 1024)
     monkeypatch.undo()
     assert await chunk_subjects() == before  # no meta message names them: nothing could delete them later
+
+
+async def test_the_chunks_a_publisher_killed_outright_left_are_removed_by_a_later_publication_a_day_on(
+        js, published, monkeypatch):
+    """Killed (kill -9) while storing an object, a publisher leaves its chunks with no meta message naming them: before,
+    no publication nor `hearth weights remove` ever reached them, and they held the bucket's room for good. Younger
+    ones may be another publisher's, still storing the object."""
+    from hearth.services import weights_publish
+
+    monkeypatch.setattr(weights_publish, "ABANDONED_PUBLICATION_AGE_S", 1.0)
+    killed, at_work = f"$O.{WEIGHTS_BUCKET}.C.killed", f"$O.{WEIGHTS_BUCKET}.C.atwork"
+    await js.publish(killed, b"a chunk of an object whose publisher was killed")
+    await asyncio.sleep(1.5)  # older than the (shortened) abandoned age by the server's clock
+    await js.publish(at_work, b"a chunk of an object another publisher is storing now")
+    assert await _unnamed_chunks(js) == {killed, at_work}
+
+    await publish_checkpoint(js, published[0], NAME)
+    assert await _unnamed_chunks(js) == {at_work}

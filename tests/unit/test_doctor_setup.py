@@ -188,3 +188,12 @@ def test_a_failure_fails_the_report_and_warnings_and_skips_do_not():
     assert passed.checks[0].line() == "ok    a: fine"
     assert json.loads(failed.model_dump_json())["checks"][1] == {"check": "d", "verdict": "fail", "detail": "broken",
                                                                  "fix": "run y"}
+
+
+def test_the_stewards_key_passes_for_hearth_chat_which_it_may_call_with(community):
+    """Orchestrators take calls from the steward's key too (CALLER_ROLES); a gateway, serving others, still needs a
+    client's."""
+    checks, setup = member_checks(NatsSettings(creds_file=key_of(community, "system")), "client", None)
+    assert verdicts(checks)["member"] == "ok" and setup.fits_role, checks[-1]
+    checks, _ = member_checks(NatsSettings(creds_file=key_of(community, "system")), "gateway", None)
+    assert verdicts(checks)["member"] == "fail" and "not a client" in checks[-1].detail

@@ -147,3 +147,34 @@ def test_an_upgrade_tells_of_events_kept_as_a_newer_hearths_that_this_one_reads(
                     f"(shard.advertised (2); kept as rejected newer_hearth) and never applied them: rebuild this read "
                     f"model from the log to apply them (hearth-replay rebuild --db {path} --force; a rebuild holds "
                     f"only what the log still does, so take a hearth db backup first)"]
+
+
+@pytest.mark.parametrize("kind", ["shard.advertised version 1", "shard.advertised version \u00b2"])
+def test_a_type_no_hearth_could_name_is_not_kept_as_a_newer_hearths_nor_read_as_a_known_version(tmp_path, caplog,
+                                                                                                 kind):
+    """A member's event whose type only looks like a rejected row's label of a known type ("TYPE version N") would
+    otherwise tell every upgraded read model to rebuild itself, or stop its start (a digit int() does not read)."""
+    path = tmp_path / "rm.db"
+    engine = migrated_engine(path)
+    with Session(engine) as session, session.begin():
+        assert ReadModelProjection(verifier=EventVerifier(ROSTER, max_clock_skew_s=30)).apply_many(
+            session, [as_stored(1, signed_body(type=kind))]) == 1
+    with Session(engine) as session:
+        assert session.scalars(select(RejectedEvent)).all() == []
+    engine.dispose()
+    caplog.set_level(logging.WARNING)
+    upgrade_database(path)
+    assert [record.getMessage() for record in caplog.records if "newer hearth" in record.getMessage()] == []
+
+
+def test_an_upgrade_reads_a_kept_label_whose_version_is_no_plain_number_as_unreadable(tmp_path, caplog):
+    """A row an earlier hearth kept under such a type still lets the read model open."""
+    path = tmp_path / "rm.db"
+    upgrade_database(path)
+    with contextlib.closing(sqlite3.connect(path)) as connection, connection:
+        connection.execute("INSERT INTO rejected_events (stream, stream_seq, event_id, type, node_id, signer, reason, "
+                           "occurred_at, rejected_at) VALUES (?, 1, 'e1', ?, 'attic', NULL, 'newer_hearth', 0, 0)",
+                           (SHARDS_STREAM, "shard.advertised version \u00b2"))
+    caplog.set_level(logging.WARNING)
+    upgrade_database(path)
+    assert [record.getMessage() for record in caplog.records if "newer hearth" in record.getMessage()] == []

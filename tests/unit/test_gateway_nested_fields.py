@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
+from hearth.services.gateway.openai_models import ChatCompletionRequest
 from tests.unit.test_withdrawn_tokens import MODEL, chat_body, done, gateway, token  # noqa: F401 (gateway is a fixture)
 
 HI = {"role": "user", "content": "hi"}
@@ -154,3 +156,29 @@ async def test_a_body_too_deep_or_too_large_is_refused_in_one_line(gateway, raw,
     error = response.json()["error"]
     assert (response.status_code, error["code"]) == (status, code), error
     assert len(error["message"]) < 2_000 and not scripted.received
+
+
+MANY = {f"k{i}": 0 for i in range(1_000)}
+
+
+@pytest.mark.parametrize("fields", [
+    {"messages": [{**HI, **MANY}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", **MANY}]}]},
+    {"messages": [{"role": "assistant", "content": None, "tool_calls": [{**CALLED, **MANY}]}, *ANSWERED[1:]]},
+    {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {**CALLED, "function": {**CALLED["function"], **MANY}}]}, *ANSWERED[1:]]},
+    {"tools": [{**LOOKUP, **MANY}]},
+    {"tools": [{"type": "function", "function": {**LOOKUP["function"], **MANY}}]},
+    {"tools": [LOOKUP], "tool_choice": {"type": "function", "function": {"name": "lookup"}, **MANY}},
+    {"response_format": {"type": "text", **MANY}},
+    {"stream": True, "stream_options": {"include_usage": True, **MANY}},
+    {"prediction": {"type": "content", "content": "x", **MANY}},
+    {"prompt_cache_options": {"mode": "implicit", **MANY}},
+    {"metadata": MANY},
+])
+def test_an_object_of_many_wrong_keys_is_refused_for_one_not_described_key_by_key(fields):
+    """Validation runs on the event loop: a body's keys are not each described (their errors built and read back)."""
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate_json(json.dumps(chat_body(**fields)))
+    # One error (and one for a union's other member), however many keys.
+    assert refused.value.error_count() <= 2, refused.value.errors()[:3]

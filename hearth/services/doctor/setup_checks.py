@@ -17,7 +17,7 @@ from hearth.services.common.identity import Identity, IdentityError, default_ros
 from hearth.services.doctor.report import CheckResult, fail, ok, skip, warn
 from hearth.services.doctor.roles import ROSTER_ROLE, DoctorRole
 from hearth.trust.keys import KeyFileError, MemberKey
-from hearth.trust.roster import KEYS_DIR, ROSTER_FILE, SEED_SUFFIX, Roster, RosterError
+from hearth.trust.roster import CALLER_ROLES, KEYS_DIR, ROSTER_FILE, SEED_SUFFIX, Roster, RosterError
 
 # Free space below which a disk where hearth keeps state is said to be nearly full, and full: an event outbox, a
 # read model or a fetched layer written there next would fail.
@@ -104,6 +104,8 @@ def _member_verdict(identity: Identity, roster: Roster, role: DoctorRole, name: 
         fix = (f"log in with {name}'s own key (keys/{name}{SEED_SUFFIX})" if known else
                f"the steward adds {name}: hearth community add --name {name} --role {roster_role}")
         return fail("member", detail, fix)
+    if role == "client" and identity.member is not None and identity.member.role in CALLER_ROLES:
+        roster_role = identity.member.role  # orchestrators take the steward's calls too
     why = member_refusal(identity, roster_role, None)
     if why is not None:
         return fail("member", why)

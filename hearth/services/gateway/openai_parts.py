@@ -13,12 +13,12 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationError
 
 from hearth.protocol.chat import BadRequest, ChatMessage
 from hearth.protocol.chat_tools import (
-    FunctionCall, FunctionDefinition, FunctionName, NamedToolChoice, Tool, max_tool_call_id_chars, max_tools,
-    max_tool_calls_per_message,
+    ClosedObject, FunctionCall, FunctionDefinition, FunctionName, NamedToolChoice, Tool, max_tool_call_id_chars,
+    max_tool_calls_per_message, max_tools,
 )
 from hearth.protocol.refusals import RefusalReason, max_param_chars
 
@@ -33,8 +33,17 @@ ParticipantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]+$", max_length=6
 ToolCallId = Annotated[str, Field(min_length=1, max_length=max_tool_call_id_chars)]
 # OpenAI's bounds of `metadata`: 16 pairs, keys of 64 characters, values of 512.
 max_metadata_pairs = 16
+
+
+def _pairs_counted_first(value: Any) -> Any:
+    # A dict's max_length is checked after its entries: one of many wrong entries would be refused entry by entry.
+    if isinstance(value, dict) and len(value) > max_metadata_pairs:
+        raise ValueError(f"at most {max_metadata_pairs} pairs (got {len(value)})")
+    return value
+
+
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-                     Field(max_length=max_metadata_pairs)]
+                     Field(max_length=max_metadata_pairs), BeforeValidator(_pairs_counted_first)]
 
 
 class Unsupported(BadRequest):
@@ -91,10 +100,8 @@ def _path_in(data: Any, location: Sequence[str | int]) -> str:
     return path
 
 
-class _Closed(BaseModel):
+class _Closed(ClosedObject):
     """An object of OpenAI's request: a key it does not declare is refused (unknown_parameter)."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 class CacheHint(_Closed):
