@@ -93,7 +93,7 @@ def list_command(
     insecure: InsecureOption = False,
 ) -> None:
     """The models in the community's store: name, layers, size, weights digest (or why its manifest is unreadable)."""
-    from hearth.services.common.display import display_text
+    from hearth.protocol.display_text import display_text
     from hearth.services.weights_store import list_models
 
     use_credentials(ctx, "hearth weights list", creds, insecure)
