@@ -27,6 +27,8 @@ from hearth.events.metrics import events_undecodable_total
 from hearth.events.models import Event, decode_event
 from hearth.events.newer_hearth import EventOfANewerHearth, NewerHearthEvent, NewerHearthNotices
 from hearth.events.ordered_reader import OrderedPushReader, StreamReadStalled
+from hearth.protocol.bounded_values import cut_text
+from hearth.protocol.bounds import max_reason_chars
 
 __all__ = [
     "SkippedMessage",
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 first_stream_seq = 1
 # Without --follow: give up (StreamReadStalled) when no expected message arrives for this long.
 default_idle_timeout_s = 15.0
+_as_text = cut_text(max_reason_chars)
 # Every reader of this process tells of a newer hearth's events through one memory of what it told.
 newer_hearth_notices = NewerHearthNotices()
 
@@ -149,8 +152,7 @@ def decode_stored_message(
         events_undecodable_total.labels(stream=stream).inc()
         return SkippedMessage(stream=stream, seq=seq, subject=subject, time=stored_at, error=str(refused),
                               newer=refused.newer)
-    # RecursionError: a body nested deeper than the parser goes; OverflowError: a date past the calendar's ends.
-    except (ValidationError, ValueError, TypeError, RecursionError, OverflowError) as error:
+    except ValueError as error:  # pydantic's ValidationError too: whatever a body holds, decode_event refuses so
         reason = _short_error(error)
         log.warning("skipping undecodable message %s#%d on %s: %s", stream, seq, subject, reason)
         events_undecodable_total.labels(stream=stream).inc()
@@ -162,13 +164,15 @@ def decode_stored_message(
 
 
 def _short_error(error: Exception) -> str:
+    """What is wrong with a body, as text any log, terminal or file takes: it names the body's own keys, which a JSON
+    escape may make lone surrogates (written as `?`)."""
     if isinstance(error, ValidationError):
         problems = "; ".join(
             f"{'.'.join(str(part) for part in item['loc']) or '<root>'}: {item['msg']}"
             for item in error.errors()[:5]
         )
-        return f"{error.error_count()} validation error(s): {problems}"
-    return f"{type(error).__name__}: {error}"
+        return _as_text(f"{error.error_count()} validation error(s): {problems}")
+    return _as_text(f"{type(error).__name__}: {error}")
 
 
 def _as_filter_list(subject_filter: str | Sequence[str] | None) -> list[str]:

@@ -360,10 +360,16 @@ def upcast(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_event(data: bytes | str | dict[str, Any]) -> Event:
-    """Parse one stored event (JSON bytes or a dict); raises pydantic.ValidationError or ValueError."""
-    raw = upcast(dict(data) if isinstance(data, dict) else _load_json_object(data))
-    _refuse_another_hearths(raw)
-    return _event_adapter.validate_python(raw)
+    """Parse one stored event (JSON bytes or a dict); raises ValueError (pydantic.ValidationError among them) for
+    anything that is not one, whatever it holds."""
+    try:
+        raw = upcast(dict(data) if isinstance(data, dict) else _load_json_object(data))
+        _refuse_another_hearths(raw)
+        return _event_adapter.validate_python(raw)
+    # TypeError: a type or version that is a list or an object (no upcaster is looked up by it); RecursionError: a
+    # body nested deeper than the parser goes; OverflowError: a date past the calendar's ends.
+    except (TypeError, RecursionError, OverflowError) as error:
+        raise ValueError(f"not an event: {type(error).__name__}: {error}") from None
 
 
 def _refuse_another_hearths(raw: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from hearth.events.envelope import EventEnvelope
 from hearth.events.once_a_while import OnceAWhile
+from hearth.protocol.bounded_values import cut_text
 from hearth.protocol.bounds import max_label_chars
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ def newer_hearth_event(raw: dict[str, Any], kind: str, version: int, readable_up
         envelope: EventEnvelope | None = EventEnvelope.model_validate(raw)
     except (ValidationError, ValueError, TypeError, OverflowError):
         envelope = None
-    return EventOfANewerHearth(NewerHearthEvent(kind[:max_label_chars], version, readable_up_to, envelope))
+    # Cut as a label is, and readable: a JSON escape may have made it a lone surrogate, which no database row takes.
+    return EventOfANewerHearth(NewerHearthEvent(cut_text(max_label_chars)(kind), version, readable_up_to, envelope))
 
 
 def readable_now(label: str, readable_versions: Mapping[str, int]) -> bool:

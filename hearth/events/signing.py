@@ -76,9 +76,10 @@ def stored_canonical_bytes(data: bytes) -> bytes | None:
     """The canonical bytes of a stored event body; None when the body is not a JSON object."""
     try:
         document = json.loads(data)
-    except (ValueError, RecursionError):  # a body nested past what this stack parses is no event's
+        # Written one call deeper than it was parsed: a body nested just within what the parser took is not.
+        return canonical_json(document) if isinstance(document, dict) else None
+    except (ValueError, RecursionError):  # a body nested past what this stack parses or writes is no event's
         return None
-    return canonical_json(document) if isinstance(document, dict) else None
 
 
 def sign_event(event: EventEnvelope, key: MemberKey) -> EventEnvelope:

@@ -248,10 +248,15 @@ class HopNotice(BaseModel):
         return self
 
 
-def reply_says_ok(data: bytes) -> bool:
-    """Whether a shard's answer is a ControlReply saying `ok`: an answer that is none says no (a malformed reply of
-    one hop must not end the call that asked)."""
+def read_reply(data: bytes) -> ControlReply:
+    """A shard's answer to a control request: an answer that is no ControlReply reads as a refusal saying so, in one
+    line (a malformed answer of one hop must not end the call that asked, nor bring the shard's text with it)."""
     try:
-        return ControlReply.model_validate_json(data).ok
+        return ControlReply.model_validate_json(data)
     except ValueError:
-        return False
+        return ControlReply(ok=False, message="the shard's answer is no ControlReply")
+
+
+def reply_says_ok(data: bytes) -> bool:
+    """Whether a shard's answer is a ControlReply saying `ok`."""
+    return read_reply(data).ok

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import ValidationError
 
+from hearth.protocol.display_text import display_text
+
 # The wrong fields a refusal names at most (then how many more): a body of many wrong items must not draw an answer
 # many times its size.
 max_described_problems = 8
@@ -54,7 +56,9 @@ def _disagreement(item: dict) -> FieldsDisagree | None:
 
 
 def describe_validation_error(error: ValidationError) -> str:
-    """One line naming the fields `error` refused, the first `max_described_problems` of them."""
+    """One line naming the fields `error` refused, the first `max_described_problems` of them; what of it the sender
+    wrote (an unknown key, a tag) shown as display_text shows it, so no line break or escape sequence of theirs
+    makes it two lines or disguises it."""
     problems = []
     for item in error.errors(include_url=False)[:max_described_problems]:
         location = ".".join(str(part) for part in item["loc"])
@@ -68,7 +72,7 @@ def describe_validation_error(error: ValidationError) -> str:
             problems.append(item["msg"])
     if error.error_count() > max_described_problems:
         problems.append(f"and {error.error_count() - max_described_problems} more")
-    return "; ".join(problems)
+    return display_text("; ".join(problems))
 
 
 def refused_field(error: ValidationError) -> str | None:

@@ -280,7 +280,7 @@ def _create_streams(steward: "NatsSettings", community: Path, *, one_node: bool,
 def _consumer_sweeper(steward: "NatsSettings", community: Path) -> "ConsumerSweeper":
     """Deletes, as the steward, consumers of the community's streams that deliver elsewhere than a reader's inbox."""
     from hearth.services.broker.consumer_sweep import ConsumerSweeper
-    from hearth.services.common.display import display_text
+    from hearth.protocol.display_text import display_text
     from hearth.trust.community import Community
 
     def report(swept) -> None:

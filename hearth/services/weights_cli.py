@@ -100,7 +100,7 @@ def list_command(
     """The models in the community's store: name, layers, size, weights digest (or why its manifest is unreadable);
     then, on stderr, what the store holds and the room it has left."""
     from hearth.services.broker.weights_bucket import bucket_room, shown_size
-    from hearth.services.common.display import display_text
+    from hearth.protocol.display_text import display_text
     from hearth.services.weights_store import list_models
 
     async def listing(js):

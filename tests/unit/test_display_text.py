@@ -1,7 +1,8 @@
 """Text members wrote is shown escaped: on a terminal (hearth-replay, hearth status, hearth chat), in a rich table and
-in a log line, no escape sequence, carriage return, newline, bidi control or rich markup of theirs takes effect
-(hearth/services/common/display.py). Before, an advert's model id set the terminal's title and planted a link in
-`hearth status`, and a withdrawal's reason erased a hearth-replay row and printed a forged one."""
+in a log line, no escape sequence, carriage return, newline, line separator, bidi control or rich markup of theirs
+takes effect (hearth/protocol/display_text.py, hearth/services/common/display.py). Before, an advert's model id set the
+terminal's title and planted a link in `hearth status`, and a withdrawal's reason erased a hearth-replay row and
+printed a forged one."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from rich.table import Table
 
 from hearth.events.consume import SkippedMessage
 from hearth.events.models import PipelineAborted, ShardWithdrawn
-from hearth.services.common.display import DisplaySafeFormatter, display_text
+from hearth.protocol.display_text import display_text
+from hearth.services.common.display import DisplaySafeFormatter
 from hearth.services.common.logging import LOG_FORMAT
 from hearth.services.dashboards.status import _add_row
 from hearth.services.replay.render import table_row
@@ -64,3 +66,11 @@ def test_the_pipeline_timeline_and_the_shard_view_show_a_members_text_escaped():
     aborted = log.stored(PipelineAborted(pipeline_id="p1", code="x", reason=HOSTILE, node_id="hub"))
     for line in lines + pipeline_timeline("p1", [aborted]):
         assert not any(ch in line for ch in "\r\n\x1b\x07\u202e"), line
+
+
+def test_line_separators_and_a_lone_surrogate_are_escaped_too():
+    """Python's splitlines breaks at U+2028 and U+2029, and a lone surrogate (a JSON escape) encodes for no terminal,
+    file or database."""
+    shown = display_text("a\u2028b\u2029c\ud800d")
+    assert shown == "a\\u2028b\\u2029c\\ud800d"
+    assert len(shown.splitlines()) == 1 and shown.encode("utf-8")

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from hearth.services.client.answer_bound import AnswerBound, AnswerTooLong, warn_answer_too_long
 from hearth.services.client.chat import AnswerTokens, ModelsRefused, choice_of, list_models, stream_chat
 from hearth.services.client.pinned import answered_by, stream_chat_pinned
-from hearth.services.common.display import display_text
+from hearth.protocol.display_text import display_text
 from hearth.protocol.chat import (ChatMessage, ChatParams, ChatRequest, default_max_tokens, describe_validation_error,
                                   max_prompt_chars)
 from hearth.protocol.chat_frames import (

@@ -1,36 +1,15 @@
-"""Text that members control, made safe to show: on an operator's terminal, in a rich table or in a log line.
-
-Event fields (a reason, a model id, a shard id's model part), refusal messages and undecodable messages' errors come
-from members. Shown as they are, an escape sequence in them clears a terminal, sets its title or plants a link, a
-carriage return or a newline forges a log line or a table row, a bidi control disguises text, and rich markup in a
-table cell styles or links it. `display_text` writes every control and format character as a visible escape
-(`\\x1b`, `\\u202e`), and `display_cell` also keeps rich from reading markup in it.
+"""Text that members control, made safe to show in a rich table and in a log line: `display_text`
+(hearth/protocol/display_text.py) writes every control and format character as a visible escape, `display_cell` also
+keeps rich from reading markup in it, and `DisplaySafeFormatter` keeps a log record to one line.
 """
 
 from __future__ import annotations
 
 import logging
-import unicodedata
 
 from rich.text import Text
 
-# Unicode categories written as escapes: controls (C0, DEL, C1) and format characters (bidi controls, zero widths).
-_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf"})
-
-
-def display_text(value: object) -> str:
-    """`str(value)` with every control and format character written as a visible escape."""
-    text = str(value)
-    if text.isprintable():  # the common case: nothing to escape (isprintable is False for Cc and Cf)
-        return text
-    return "".join(_escaped(character) for character in text)
-
-
-def _escaped(character: str) -> str:
-    if unicodedata.category(character) not in _ESCAPED_CATEGORIES:
-        return character
-    code = ord(character)
-    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+from hearth.protocol.display_text import display_text
 
 
 def display_cell(value: object) -> Text:

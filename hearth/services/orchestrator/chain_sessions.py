@@ -11,7 +11,9 @@ import time
 from nats.errors import Error as NatsError, NoRespondersError
 
 from hearth.events.cancellation import keeping_cancellation
-from hearth.protocol.control import CloseHop, ControlReply, KeepHop, OpenHop, PrefixBlocks, reply_says_ok
+from hearth.protocol.control import (
+    CloseHop, ControlReply, KeepHop, OpenHop, PrefixBlocks, read_reply, reply_says_ok,
+)
 from hearth.protocol.subjects import hop_notice_subject, keepalive_subject
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.orchestrator.hop_owner import open_message, owner_key, proven
@@ -90,7 +92,7 @@ class HopSessions:
             hop.control_subject, sent[0], timeout=self.transport.control_timeout_s, headers=sent[1]))
         if self.on_round_trip is not None:
             self.on_round_trip(hop.shard_id, time.perf_counter() - asked_at)
-        return ControlReply.model_validate_json(message.data)
+        return read_reply(message.data)
 
     async def keep_now(self, keep: PrefixBlocks) -> bool:
         """Have every hop keep a copy of its session's whole blocks of `keep` while it goes on; whether all did."""

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from hearth.events.consume import SkippedMessage, StoredEvent
-from hearth.services.common.display import display_text
+from hearth.protocol.display_text import display_text
 
 LogItem = StoredEvent | SkippedMessage
 

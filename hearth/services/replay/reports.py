@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from hearth.events.consume import StoredEvent
 from hearth.events.models import PipelineCompleted, ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from hearth.events.streams import shards_max_msgs_per_subject
-from hearth.services.common.display import display_text
+from hearth.protocol.display_text import display_text
 from hearth.services.replay.render import format_time, summarize_event
 
 

@@ -27,7 +27,7 @@ from hearth.events.models import (
 )
 from hearth.events.logged_keys import LoggedKeys
 from hearth.events.signing import EventVerifier
-from hearth.services.common.display import display_text
+from hearth.protocol.display_text import display_text
 from hearth.protocol.quarantine import node_quarantine_reason, unheld_reason
 from hearth.protocol.subjects import EVENTS_PREFIX, node_of_shard, shard_key
 from hearth.readmodels.reputation import QUARANTINED, ReputationLog, mismatch_summary, nodes_held_by

@@ -20,7 +20,7 @@ from hearth.events.logged_keys import LoggedKeys
 from hearth.readmodels.applied_events import DUPLICATE, TOO_OLD, keeps_id, older_than_kept
 from hearth.readmodels.rejections import NEWER_HEARTH
 from hearth.readmodels.retention import RetentionPolicy, history_kept_s
-from hearth.services.common.display import display_text
+from hearth.protocol.display_text import display_text
 
 # Not a signature verdict, but just as bad for an audit: a stored message that is no event at all.
 UNDECODABLE = "undecodable"

@@ -1,5 +1,5 @@
-"""Whose `open` a shard's control request is (the member's name and key), and the open with its keys unsealed, or the
-refusal to answer it."""
+"""A shard's control request as it reads it: decoded or refused as `bad_request` in one line, whose `open` it is (the
+member's name and key), and the open with its keys unsealed, or the refusal to answer it."""
 
 from __future__ import annotations
 
@@ -7,12 +7,25 @@ import json
 from typing import Any
 
 from nats.aio.msg import Msg
+from pydantic import ValidationError
 
-from hearth.protocol.control import ControlReply, OpenHop
+from hearth.protocol.bounds import max_reason_chars
+from hearth.protocol.control import ControlReply, ControlRequest, OpenHop, control_request_adapter
 from hearth.protocol.mesh_protocol import MESH_PROTOCOL, max_mesh_protocol, mesh_protocol_refusal
+from hearth.protocol.refusals import describe_validation_error
 from hearth.services.common.call_signing import HEADER_CALLER, CallRefused
 from hearth.services.transport.key_seal import keys_for_host
 from hearth.trust.keys import MemberKey
+
+
+def decoded_control_request(data: bytes) -> ControlRequest | ControlReply:
+    """The control request `data` holds, or its refusal: `bad_request` naming the fields in one line (not their
+    values), or saying that an `open` speaks another mesh protocol (open_of_another_version)."""
+    try:
+        return control_request_adapter.validate_json(data)
+    except ValidationError as error:
+        return open_of_another_version(data) or ControlReply(
+            ok=False, code="bad_request", message=describe_validation_error(error)[:max_reason_chars])
 
 
 def checked_open(msg: Msg, request: OpenHop, open_verifier: Any,

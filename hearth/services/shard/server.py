@@ -25,13 +25,10 @@ from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from pydantic import ValidationError
 
 from hearth.events.models import ShardWithdrawn, default_hop_weight
 from hearth.events.publish import publish_event
 from hearth.events.streams import SHARDS_STREAM, ensure_streams
-from hearth.protocol.bounds import max_reason_chars
-from hearth.protocol.refusals import describe_validation_error
 from hearth.services.common.config import HearthSettings
 from hearth.protocol.control import (
     CloseHop,
@@ -40,7 +37,6 @@ from hearth.protocol.control import (
     OpenHop,
     ShardStat,
     StatShard,
-    control_request_adapter,
 )
 from hearth.services.common.event_trust import (
     event_signing_key,
@@ -58,7 +54,7 @@ from hearth.services.shard.hop_closing import HopClosing
 from hearth.services.shard.hops import HopLimits, ServedHop, opened_by
 from hearth.services.shard.identity import ShardIdentity, advertisement, open_refusal
 from hearth.services.shard.kept_events import say_once, shard_outbox, start_outbox
-from hearth.services.shard.open_check import checked_open, open_of_another_version
+from hearth.services.shard.open_check import checked_open, decoded_control_request
 from hearth.services.shard.opens_in_flight import OpensInFlight
 from hearth.services.shard.watchdog import watch_hops
 
@@ -252,12 +248,9 @@ class ShardServer(HopClosing):
     async def _answer_control(self, msg: Msg) -> None:
         if self._claim.kept is False:  # another process keeps this id: it answers
             return
-        try:
-            request = control_request_adapter.validate_json(msg.data)
-        except ValidationError as error:
-            refused = describe_validation_error(error)[:max_reason_chars]  # one line naming the fields, not values
-            await self._reply(msg, open_of_another_version(msg.data) or ControlReply(ok=False, code="bad_request",
-                                                                                      message=refused))
+        request = decoded_control_request(msg.data)
+        if isinstance(request, ControlReply):  # refused as it is read
+            await self._reply(msg, request)
             return
         if isinstance(request, StatShard) and request.claim is not None and self._claim.from_this_node(msg):
             # Another process under this id: answered at once when this one outranks it (it then gives way), else this

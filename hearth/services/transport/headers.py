@@ -42,6 +42,7 @@ Every header above is bounded by its own form; all the headers of one frame or a
 from __future__ import annotations
 
 import enum
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -50,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from hearth.protocol.bounds import max_int8_block_elems
 from hearth.services.transport.errors import FrameError
-from hearth.services.transport.wire import WireDtype, max_tensor_dims, wire_nbytes
+from hearth.services.transport.wire import WireDtype, max_shape_extent, max_tensor_dims, wire_nbytes
 
 SESSION_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 PIPELINE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
@@ -147,6 +148,8 @@ class FrameHeader(BaseModel):
             raise ValueError(f"Hearth-Prompt-Tokens is only allowed on a prefill frame, not {self.kind.value}")
         if not 1 <= len(self.shape) <= max_tensor_dims or any(dim < 0 for dim in self.shape):
             raise ValueError(f"shape {self.shape}: needs 1..{max_tensor_dims} non-negative dimensions")
+        if math.prod(max(dim, 1) for dim in self.shape) > max_shape_extent:
+            raise ValueError(f"shape {self.shape}: no tensor has dimensions that span more than {max_shape_extent}")
         if self.compute_dtype is WireDtype.int8:
             raise ValueError("compute dtype cannot be int8")
         if self.dtype is WireDtype.int8:

@@ -29,6 +29,10 @@ if sys.byteorder != "little":  # the wire is little-endian raw memory; a big-end
 _defaults = TransportSettings()
 
 max_tensor_dims = 8
+# What the dimensions of a tensor's shape may multiply to, an empty one counted as one: torch computes strides in
+# signed 64-bit integers, so an empty tensor of dimensions past it cannot even be made (a frame declaring one is
+# refused).
+max_shape_extent = 2**63 - 1
 # Converting a tensor of at least this many bytes (a dtype cast, int8 quantisation or dequantisation) runs in a
 # worker thread, so a prefill-sized step never stalls the event loop; smaller ones are cheaper inline.
 conversion_offload_bytes = MiB
