@@ -14,6 +14,7 @@ import pytest
 from hearth.inference import load_layer_range
 from hearth.inference.compute_thread import on_compute_thread
 from hearth.protocol.control import ControlReply, ShardStat, StatShard
+from hearth.protocol.mesh_protocol import MESH_PROTOCOL
 from hearth.protocol.subjects import shard_control_subject
 from hearth.services.broker import connection
 from hearth.services.broker.connection import BrokerConnectionClosed
@@ -53,7 +54,7 @@ async def test_an_open_naming_a_huge_hop_is_refused_and_the_shard_stays_reachabl
     async with tiny_shard_server(nats_server.url) as shard:
         hop = 10 ** 4000
         request = dict(op="open", pipeline_id="p" * 128, session_id="s", hop=hop, hop_count=hop + 1,
-                       model_id="tiny", weights_sha256="0" * 64, layer_lo=0, layer_hi=1)
+                       model_id="tiny", weights_sha256="0" * 64, layer_lo=0, layer_hi=1, protocol=MESH_PROTOCOL)
         message = await shard.client.request(shard.subject, json.dumps(request).encode(), timeout=reply_timeout_s)
         reply = ControlReply.model_validate_json(message.data)
         assert (reply.ok, reply.code) == (False, "bad_request") and "\n" not in reply.message
