@@ -6,9 +6,11 @@ import sys
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hearth.protocol.chat_tools import ResponseFormat, ToolCallList, ToolChoice, ToolList, max_tool_call_id_chars
+from hearth.protocol.chat_tools import (
+    ClosedObject, ResponseFormat, ToolCallList, ToolChoice, ToolList, max_tool_call_id_chars,
+)
 from hearth.protocol.quantization_labels import QuantizationLabel
 from hearth.protocol.refusals import (
     FieldsDisagree, RefusalReason, describe_validation_error, refused_field, validation_reason,
@@ -63,7 +65,7 @@ LogitBias = Annotated[float, Field(allow_inf_nan=False, ge=-max_logit_bias, le=m
 VerifyLevel = Literal["none", "sampled", "all", "vote"]
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(ClosedObject):
     """One turn: `tool_calls` only on an assistant's (the calls it made), `tool_call_id` only and always on a
     `tool` message (the answer to that call; its content is the tool's result)."""
 
@@ -92,7 +94,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatParams(BaseModel):
+class ChatParams(ClosedObject):
     model_config = ConfigDict(extra="forbid")
 
     fallback_to_local: bool = True
@@ -105,7 +107,7 @@ class ChatParams(BaseModel):
     verify: VerifyLevel = "sampled"
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(ClosedObject):
     """One chat call; exactly one of `messages` (chat template applied) or `prompt` (raw text)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -53,6 +53,17 @@ def test_a_bad_field_is_refused_by_name(payload, field):
         parse_chat_request(payload)
 
 
+@pytest.mark.parametrize("where", ["request", "message", "params"])
+def test_many_unknown_keys_are_refused_for_the_first_alone(where):
+    unknown = {f"k{i}": 1 for i in range(20_000)}
+    request = {"prompt": "hi", **unknown} if where == "request" else (
+        {"messages": [{"role": "user", "content": "hi", **unknown}]} if where == "message"
+        else {"prompt": "hi", "params": unknown})
+    with pytest.raises(BadRequest) as refused:
+        parse_chat_request(json.dumps(request).encode())
+    assert "k0" in str(refused.value) and "k1'" not in str(refused.value) and len(str(refused.value)) < 400
+
+
 @given(value=st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True))
 def test_a_sampling_number_is_finite_and_normal_or_refused(value):
     text = json.dumps({"prompt": "hi", "temperature": value, "top_p": min(abs(value), 1.0) or 1.0})
