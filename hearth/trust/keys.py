@@ -5,7 +5,8 @@ owner may read (write_private_file, read_private_file), seeds among them, and th
 
 The seed file is the same one nats-server's nkey authentication reads (`nkeys_seed` in nats-py), so one file
 both logs a process into the broker and signs what it says. nkeys' own KeyPair cannot verify from a public key
-without the seed, so verification decodes the public key and uses PyNaCl (which nkeys itself builds on).
+without the seed, so verification decodes the public key and uses PyNaCl (which nkeys itself builds on); each key
+decoded is kept for the next check (up to verify_keys_kept of them), since a community's few keys sign almost all.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import base64
 import binascii
 import contextlib
 import errno
+import functools
 import os
 import secrets
 import tempfile
@@ -30,6 +32,10 @@ PRIVATE_FILE_MODE = 0o600
 PRIVATE_FOLDER_MODE = 0o700
 USER_PUBLIC_KEY_LENGTH = 56  # base32 of prefix byte + 32 key bytes + 2 CRC bytes
 PUBLIC_KEY_PATTERN = r"^U[A-Z2-7]{55}$"
+# The public keys kept decoded for signature checks, the most recently used: far more than a community's members and
+# their retired keys, so theirs stay decoded; a stream of strangers' keys only pushes older ones out (a few hundred
+# bytes each), and a malformed key is never kept.
+verify_keys_kept = 1024
 
 
 class KeyFileError(ValueError):
@@ -188,7 +194,10 @@ def read_private_file(path: Path, what: str) -> bytes:
     return data
 
 
+@functools.lru_cache(maxsize=verify_keys_kept)
 def _verify_key(public_key: str) -> nacl.signing.VerifyKey:
+    """`public_key` decoded for PyNaCl; ValueError (or binascii.Error) for a malformed one, raised again at every ask
+    since an exception is never cached."""
     if len(public_key) != USER_PUBLIC_KEY_LENGTH or not public_key.startswith("U"):
         raise ValueError("not a NATS user public key")
     raw = base64.b32decode(public_key)
