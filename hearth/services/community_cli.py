@@ -15,7 +15,9 @@ import typer
 
 from hearth.services.cli_options import CommunityNatsOption, settings
 from hearth.services.community_broker_cli import api_key_command, nats_config_command, streams_command, tls_command
-from hearth.services.community_pending_cli import note_what_the_log_lacks, publish_pending_command, unpublished_lines
+from hearth.services.community_pending_cli import (
+    note_what_the_log_lacks, publish_earlier_first, publish_pending_command, unpublished_lines,
+)
 from hearth.services.community_cli_messages import (
     BROKER_APPLIES_IT,
     former_key_row,
@@ -174,9 +176,11 @@ def remove_command(
     revoked, calls it signs are refused, and events each stream stores from it after its removal event are rejected
     (`removed_signer`), while what it signed before still verifies. Its name and key can never join again (its
     history stays theirs); a member coming back is added with new ones. Run again after a failure, it keeps the
-    removal events an earlier run published and publishes only where none is."""
+    removal events an earlier run published and publishes only where none is. A stream whose log lacks the member's
+    earlier changes (its addition, a rotation) gets them first, in order, as `publish-pending` would."""
     from hearth.events.streams import StreamsMissing
     from hearth.services.broker.connection import BrokerUnreachable
+    from hearth.services.community_pending import earlier_changes
     from hearth.services.community_removal import PublishedRemoval, RemovalNotPublished, publish_community_removal
     from hearth.services.gateway.keys import API_KEYS_FILE, ApiKeyError, revoke_api_keys
     from hearth.trust.community import Community
@@ -189,7 +193,7 @@ def remove_command(
     try:
         community.check_removable(name)  # before anything changes, so a refusal leaves everything as it was
         if not offline:
-            published = publish_community_removal(community, name, nats_url, settings(ctx))
+            published = publish_community_removal(community, name, nats_url, settings(ctx), earlier=earlier_changes)
         # Its API keys go next: a removal that fails there can simply be run again (which finds its events).
         api_keys = revoke_api_keys(directory, name) if (directory / API_KEYS_FILE).is_file() else 0
         # The removal dates from the first run that published it only where each stream holds it (a cut): a stream
@@ -210,6 +214,7 @@ def remove_command(
     typer.echo(f"removed {member.name} ({member.role}, {member.trust}), public key {member.public_key}{deleted}; "
                f"revoked its {api_keys} API keys{logged}. {BROKER_APPLIES_IT}")
     warn_where_the_log_lacks_it(command, published, offline, event="removal", cut_off="its events are")
+    publish_earlier_first(command, directory, name, published)
     note_what_the_log_lacks(command, directory, name, "removal", None if offline else published.failures)
 
 
@@ -234,7 +239,9 @@ def rotate_key_command(
     rotated the same way: its old key signs the rotation naming the new one, whose seed is made here in
     keys/system.nk; then every machine with the steward's tooling needs the new folder and every node of a cluster a
     restart (its route password derives from the key); members' projectors, orchestrators (calls) and shard hosts
-    (opens) learn the new key from the rotation in the log, and the new roster is still best handed to every member."""
+    (opens) learn the new key from the rotation in the log, and the new roster is still best handed to every member.
+    A stream whose log lacks the member's earlier changes (its addition, an earlier rotation) gets them first, in
+    order, as `publish-pending` would."""
     from hearth.events.streams import StreamsMissing
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.community_removal import EarlierRemovalDiffers, RemovalNotPublished
@@ -268,6 +275,7 @@ def rotate_key_command(
                f"{rotated.member.public_key}{seed}{deleted}. {BROKER_APPLIES_IT}{handed_out}")
     warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is",
                                 publishable=not steward)
+    publish_earlier_first(command, directory, name, published)
     if not steward:  # only the retired key signs the steward's own rotation: it cannot be published later
         note_what_the_log_lacks(command, directory, name, "key rotation",
                                 None if offline else published.failures)

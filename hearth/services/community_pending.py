@@ -4,61 +4,30 @@ out of reach, a stream refusing): each stream's members subject is read and judg
 (hearth/events/logged_keys.py), then the signed events it lacks are published there in the order a reader must meet
 them: a member's addition (under its first key) where the stream names the member nowhere, the rotation of each key
 the roster retired that the stream holds no removal of, and a removed member's removal; never one the stream holds,
-so it can be run again and again. The steward's rotation of its own key cannot be published later (the retired key
-signs it) and is said. The roster does not change: where it cuts a removal or a retirement by the steward's clock,
-that stays its word for the readers holding it. The streams are handed in as an object so the logic is tested without
-a broker."""
+so it can be run again and again; `remove` and `rotate-key` publish the same of their member first (earlier_changes),
+so their change never overtakes one the log lacks. The steward's rotation of its own key cannot be published later
+(the retired key signs it) and is said. The roster does not change: where it cuts a removal or a retirement by the
+steward's clock, that stays its word for the readers holding it. The streams are handed in as an object so the logic
+is tested without a broker."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hearth.events.streams import ALL_STREAMS, streams_missing
 from hearth.services.community_addition import addition_event
 from hearth.services.community_removal import (
-    PublishedRemoval, RemovalLog, publish_member_change, removal_event, rotation_events, steward_removal_log,
+    LogChange, RemovalLog, StreamCatchUp, publish_in_order, removal_event, rotation_events, steward_removal_log,
 )
 from hearth.trust.roster import SYSTEM_MEMBER, Member, Roster, RosterError
 
 if TYPE_CHECKING:
     from hearth.events.consume import SkippedMessage, StoredEvent
-    from hearth.events.models import MemberChange
     from hearth.events.signing import EventVerifier
     from hearth.services.common.config import HearthSettings
     from hearth.trust.community import Community
     from hearth.trust.keys import MemberKey
-    from hearth.trust.unpublished_changes import MemberChangeKind
-
-
-@dataclass(frozen=True)
-class LogChange:
-    """One change of `member` a stream's log lacks: its kind, what it is in words, and what signs its event there."""
-
-    member: str
-    kind: MemberChangeKind
-    what: str
-    event: Callable[[str, MemberKey], MemberChange]
-
-
-@dataclass
-class StreamCatchUp:
-    """What one stream was given (`published`: each change with its place), which members' changes it held already
-    (`held`), the change it did not take and why (`refused`; those after it, `waiting`, were not tried: a reader must
-    meet them in order), why it could not be read (`unread`: nothing was published there), and what it lacks that
-    cannot be published (`unpublishable`)."""
-
-    published: list[tuple[LogChange, int]] = field(default_factory=list)
-    held: list[str] = field(default_factory=list)
-    refused: tuple[LogChange, str] | None = None
-    waiting: list[LogChange] = field(default_factory=list)
-    unread: str | None = None
-    unpublishable: list[str] = field(default_factory=list)
-
-    def lacking(self) -> set[str]:
-        """The members some change of which this stream still lacks."""
-        return {change.member for change in ([self.refused[0]] if self.refused else []) + self.waiting}
 
 
 def held_changes(messages: Sequence[StoredEvent | SkippedMessage], verifier: EventVerifier) -> tuple[set[str],
@@ -122,6 +91,17 @@ def lacking_changes(roster: Roster, names: set[str], retired: set[str],
     return changes, held, unpublishable
 
 
+def earlier_changes(member: Member, messages: Sequence[StoredEvent | SkippedMessage],
+                    verifier: EventVerifier) -> list[LogChange]:
+    """What a stream (its members subject: `messages`) lacks of current member `member`'s changes, which `remove` and
+    `rotate-key` publish there before their own (community_removal.EarlierChanges): none of the steward's, whose
+    rotations of its own key only the retired key signs."""
+    if member.name == SYSTEM_MEMBER:
+        return []
+    names, retired = held_changes(messages, verifier)
+    return member_changes(member, removed=False, names=names, retired=retired)
+
+
 async def publish_pending(roster: Roster, steward_key: MemberKey, member_log: RemovalLog, verifier: EventVerifier,
                           streams: tuple[str, ...] = ALL_STREAMS, only: str | None = None) -> dict[str, StreamCatchUp]:
     """Give each of `streams` what its log lacks of the roster's member changes (lacking_changes), stopping on a
@@ -138,13 +118,7 @@ async def publish_pending(roster: Roster, steward_key: MemberKey, member_log: Re
             done.unread = str(error) or type(error).__name__
             continue
         changes, done.held, done.unpublishable = lacking_changes(roster, names, retired, only)
-        for number, change in enumerate(changes):
-            published = PublishedRemoval()
-            await publish_member_change(change.event(stream, steward_key), stream, member_log, published)
-            if published.failures:
-                done.refused, done.waiting = (change, published.failures[stream]), changes[number + 1:]
-                break
-            done.published.append((change, published.cuts[0].seq))
+        await publish_in_order(changes, stream, steward_key, member_log, done)
     return caught_up
 
 

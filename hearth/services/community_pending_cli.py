@@ -1,11 +1,12 @@
 """`hearth community publish-pending`: the one way a steward puts on the event log the member changes the roster holds
 and some stream's log lacks (hearth/services/community_pending.py), what it says per stream, and the note
-`add`, `remove` and `rotate-key` keep of such changes for `list` (hearth/trust/unpublished_changes.py);
+`add`, `remove` and `rotate-key` keep of such changes for `list` (hearth/trust/unpublished_changes.py), which `remove`
+and `rotate-key` settle too for the earlier changes of their member they publish first;
 hearth/services/community_cli.py registers it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -16,7 +17,7 @@ from hearth.services.community_cli_messages import PUBLISH_PENDING
 from hearth.services.community_cli_options import DEFAULT_COMMUNITY_DIR, DirOption, fail
 
 if TYPE_CHECKING:
-    from hearth.services.community_pending import StreamCatchUp
+    from hearth.services.community_removal import PublishedRemoval, StreamCatchUp
     from hearth.trust.unpublished_changes import MemberChangeKind
 
 COMMAND = PUBLISH_PENDING
@@ -42,7 +43,6 @@ def publish_pending_command(
     from hearth.trust.community import Community
     from hearth.trust.keys import KeyFileError
     from hearth.trust.roster import RosterError
-    from hearth.trust.unpublished_changes import settle_unpublished
 
     community = Community(directory)
     try:
@@ -58,11 +58,7 @@ def publish_pending_command(
     for stream, done in caught_up.items():
         for member in members if done.unread is not None else done.lacking():
             lacking.setdefault(member, set()).add(stream)
-    try:
-        settle_unpublished(directory, members, lacking)
-    except OSError as error:
-        typer.echo(f"{COMMAND}: warning: the note of unpublished changes could not be updated ({error.strerror}): "
-                   "`hearth community list` may still show them", err=True)
+    settle_the_note(COMMAND, directory, members, lacking)
     if any(done.unread is not None or done.refused is not None for done in caught_up.values()):
         raise typer.Exit(1)
 
@@ -100,6 +96,32 @@ def note_what_the_log_lacks(command: str, directory: Path, member: str, change: 
     except OSError as error:
         typer.echo(f"{command}: warning: could not note the unpublished {change} ({error.strerror}); "
                    f"`{PUBLISH_PENDING}` still finds it", err=True)
+
+
+def publish_earlier_first(command: str, directory: Path, member: str, published: PublishedRemoval) -> None:
+    """What `remove` and `rotate-key` say of the earlier changes of `member` they published first on a stream whose
+    log lacked them, and the note of unpublished changes settled for `member` on each stream that now holds them all
+    (the note of this run's change comes after, note_what_the_log_lacks)."""
+    from hearth.events.streams import ALL_STREAMS
+
+    for stream, done in published.earlier.items():
+        for change, seq in done.published:
+            typer.echo(f"{stream}: published {change.what} at #{seq} first (its log lacked it)")
+    settled = set(published.earlier) - set(published.failures)
+    if settled:
+        settle_the_note(command, directory, {member}, {member: set(ALL_STREAMS) - settled})
+
+
+def settle_the_note(command: str, directory: Path, members: Collection[str],
+                    lacking: Mapping[str, Collection[str]]) -> None:
+    """settle_unpublished, a note that cannot be written said, never fatal (publish-pending reads the log itself)."""
+    from hearth.trust.unpublished_changes import settle_unpublished
+
+    try:
+        settle_unpublished(directory, members, lacking)
+    except OSError as error:
+        typer.echo(f"{command}: warning: the note of unpublished changes could not be updated ({error.strerror}): "
+                   "`hearth community list` may still show them", err=True)
 
 
 def unpublished_lines(directory: Path) -> list[str]:

@@ -1,7 +1,9 @@
 """The steward's removal of a member's key as the event log records it: a `member.removed` (or, for a key rotation,
 a `member.key_rotated`, the removal of the old key alone) signed with the system key, published on each event stream
 before the roster changes (or, where an earlier run already published one, found there), whose positions (the cuts)
-the roster then keeps; the streams are handed in as an object so the logic is tested without a broker."""
+the roster then keeps; on a stream whose log lacks the member's earlier changes, those go first, in the order a reader
+meets them (what a stream lacks is hearth/services/community_pending.py's to say), and where one is not taken, nothing
+after it. The streams are handed in as an object so the logic is tested without a broker."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from hearth.services.common.config import HearthSettings, NatsSettings
     from hearth.trust.community import Community
     from hearth.trust.keys import MemberKey
+    from hearth.trust.unpublished_changes import MemberChangeKind
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,40 @@ class RemovalLog(Protocol):
         broker's storage time, None when it could not be read back)."""
 
 
+@dataclass(frozen=True)
+class LogChange:
+    """One change of `member` a stream's log lacks: its kind, what it is in words, and what signs its event there."""
+
+    member: str
+    kind: MemberChangeKind
+    what: str
+    event: Callable[[str, MemberKey], MemberChange]
+
+
+@dataclass
+class StreamCatchUp:
+    """What one stream was given (`published`: each change with its place), which members' changes it held already
+    (`held`), the change it did not take and why (`refused`; those after it, `waiting`, were not tried: a reader must
+    meet them in order), why it could not be read (`unread`: nothing was published there), and what it lacks that
+    cannot be published (`unpublishable`)."""
+
+    published: list[tuple[LogChange, int]] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    refused: tuple[LogChange, str] | None = None
+    waiting: list[LogChange] = field(default_factory=list)
+    unread: str | None = None
+    unpublishable: list[str] = field(default_factory=list)
+
+    def lacking(self) -> set[str]:
+        """The members some change of which this stream still lacks."""
+        return {change.member for change in ([self.refused[0]] if self.refused else []) + self.waiting}
+
+
+# The changes of a current member that a stream's log lacks (its members subject as read), which a reader must meet
+# before the one this run publishes: its addition, its earlier keys' rotations.
+EarlierChanges = Callable[[Member, "Sequence[StoredEvent | SkippedMessage]", "EventVerifier"], list[LogChange]]
+
+
 class RemovalNotPublished(Exception):
     """No stream took the removal event: nothing was changed."""
 
@@ -61,12 +98,14 @@ class EarlierRemovalDiffers(Exception):
 @dataclass
 class PublishedRemoval:
     """Where the removal is in each stream that holds it (`cuts`), which of those an earlier run had published
-    (`found`) and since when by the steward's clock (`found_since`), and why each stream without it refused it."""
+    (`found`) and since when by the steward's clock (`found_since`), why each stream without it refused it, and
+    what each stream this run published on was given first of the member's earlier changes its log lacked."""
 
     cuts: list[RemovalCut] = field(default_factory=list)
     found: list[str] = field(default_factory=list)
     found_since: datetime | None = None
     failures: dict[str, str] = field(default_factory=dict)
+    earlier: dict[str, StreamCatchUp] = field(default_factory=dict)  # the member's earlier changes each was given
 
 
 # The signed event that cuts `member`'s key off on `stream`, signed with the steward's key.
@@ -154,39 +193,64 @@ async def publish_member_change(event: MemberChange, stream: str, member_log: Re
     published.cuts.append(RemovalCut(stream=stream, seq=seq, event_id=event.event_id, stored_at=stored_at))
 
 
+async def publish_in_order(changes: Sequence[LogChange], stream: str, steward_key: MemberKey, member_log: RemovalLog,
+                           done: StreamCatchUp) -> None:
+    """Put `changes` on `stream` one after the other (each with its place in `done.published`), stopping at the first
+    it does not take (`done.refused`; the rest, `done.waiting`, are not tried: a reader must meet them in order)."""
+    for number, change in enumerate(changes):
+        published = PublishedRemoval()
+        await publish_member_change(change.event(stream, steward_key), stream, member_log, published)
+        if published.failures:
+            done.refused, done.waiting = (change, published.failures[stream]), list(changes[number + 1:])
+            return
+        done.published.append((change, published.cuts[0].seq))
+
+
 async def publish_removal(member: Member, steward_key: MemberKey, removal_log: RemovalLog, verifier: EventVerifier,
                           streams: tuple[str, ...] = ALL_STREAMS,
                           make_event: RemovalEventMaker = removal_event,
-                          differs: EarlierRemovalCheck = any_removal) -> PublishedRemoval:
+                          differs: EarlierRemovalCheck = any_removal,
+                          earlier: EarlierChanges | None = None) -> PublishedRemoval:
     """Put `member`'s removal (`make_event`'s: a rotation retires its key alone) on every stream (whichever it could
     write to: a removal costs one small event each), publishing it only where no earlier run did: a projection cuts
-    at the first removal of a key, so the roster must too. StreamsMissing when a stream does not exist (nothing
+    at the first removal of a key, so the roster must too. Before it, a stream gets what `earlier` says its log lacks
+    of the member's earlier changes, in order; one it does not take fails the removal there (nothing after it goes:
+    a reader with an older roster could not follow it). StreamsMissing when a stream does not exist (nothing
     published); EarlierRemovalDiffers (nothing published) when `differs` says why an earlier run's event is not the
     one this run stands for (a rotation naming another new key); RemovalNotPublished when no stream took it."""
     missing = await removal_log.missing(streams)
     if missing:
         raise streams_missing(missing, removal_log.where)
     published = PublishedRemoval()
-    unpublished = []
+    unpublished: dict[str, list[StoredEvent | SkippedMessage]] = {}
     # Every stream is read before any is written: an earlier run's event this one would contradict refuses it whole.
     for stream in streams:
         try:
-            earlier = first_removal(member, stream, await removal_log.removals(stream), verifier)
+            messages = await removal_log.removals(stream)
+            found = first_removal(member, stream, messages, verifier)
         except Exception as error:  # publishing blind could move the cut past the member's events since
             published.failures[stream] = f"could not read the removals it holds ({str(error) or type(error).__name__})"
             continue
-        if earlier is None:
-            unpublished.append(stream)
+        if found is None:
+            unpublished[stream] = messages
             continue
-        reason = differs(earlier.event)  # type: ignore[arg-type]
+        reason = differs(found.event)  # type: ignore[arg-type]
         if reason is not None:
-            raise EarlierRemovalDiffers(f"{stream} #{earlier.seq} {reason}")
-        published.cuts.append(RemovalCut(stream=stream, seq=earlier.seq, event_id=earlier.event.event_id,
-                                         stored_at=earlier.time))
+            raise EarlierRemovalDiffers(f"{stream} #{found.seq} {reason}")
+        published.cuts.append(RemovalCut(stream=stream, seq=found.seq, event_id=found.event.event_id,
+                                         stored_at=found.time))
         published.found.append(stream)
-        since = earlier.event.occurred_at
+        since = found.event.occurred_at
         published.found_since = min(published.found_since or since, since)
-    for stream in unpublished:
+    for stream, messages in unpublished.items():
+        if earlier is not None:
+            done = published.earlier[stream] = StreamCatchUp()
+            await publish_in_order(earlier(member, messages, verifier), stream, steward_key, removal_log, done)
+            if done.refused is not None:
+                change, why = done.refused
+                published.failures[stream] = (f"{change.what}, which a reader must meet first, was not taken ({why}): "
+                                              "nothing after it was published there")
+                continue
         await publish_member_change(make_event(member, stream, steward_key), stream, removal_log, published)
     if not published.cuts:
         reasons = "; ".join(f"{stream}: {why}" for stream, why in published.failures.items())
@@ -246,17 +310,20 @@ async def steward_removal_log(nats: NatsSettings, system_key: Path) -> AsyncIter
 async def publish_removal_as_steward(member: Member, steward_key: MemberKey, verifier: EventVerifier,
                                      nats: NatsSettings, system_key: Path,
                                      make_event: RemovalEventMaker = removal_event,
-                                     differs: EarlierRemovalCheck = any_removal) -> PublishedRemoval:
+                                     differs: EarlierRemovalCheck = any_removal,
+                                     earlier: EarlierChanges | None = None) -> PublishedRemoval:
     async with steward_removal_log(nats, system_key) as removal_log:
         return await publish_removal(member, steward_key, removal_log, verifier, make_event=make_event,
-                                     differs=differs)
+                                     differs=differs, earlier=earlier)
 
 
 def publish_community_removal(community: Community, name: str, nats_url: str | None,
                               settings: HearthSettings, make_event: RemovalEventMaker = removal_event,
-                              differs: EarlierRemovalCheck = any_removal) -> PublishedRemoval:
+                              differs: EarlierRemovalCheck = any_removal,
+                              earlier: EarlierChanges | None = None) -> PublishedRemoval:
     """Put the removal of `community`'s member `name` (or of its key alone: `make_event`) on the community's broker
-    (`nats_url`, else [nats] url) with the steward's system key; KeyFileError without that key, BrokerUnreachable,
+    (`nats_url`, else [nats] url) with the steward's system key, after what `earlier` says each stream lacks of the
+    member's earlier changes; KeyFileError without that key, BrokerUnreachable,
     StreamsMissing, EarlierRemovalDiffers, RemovalNotPublished."""
     from hearth.events.signing import EventVerifier
     from hearth.services.common.lifecycle import run_event_loop
@@ -274,4 +341,4 @@ def publish_community_removal(community: Community, name: str, nats_url: str | N
     # The roster as it stands, with the member still in it: an earlier run's removal verifies as a projection's would.
     verifier = EventVerifier(roster, max_clock_skew_s=settings.events.max_clock_skew_s)
     return run_event_loop(publish_removal_as_steward(member, community.system_key(), verifier, nats,
-                                                     community.system_key_path, make_event, differs))
+                                                     community.system_key_path, make_event, differs, earlier))

@@ -1,9 +1,10 @@
 """The steward's replacement of a member's key (`hearth community rotate-key`), its own `system` key's too: checked
 against the roster, its `member.key_rotated` published on each event stream (hearth/services/community_removal.py, as
-a removal of the old key alone, signed with the system key as it stands, so a rotation of that key is signed by the
-old key and names the new one), then the new key and the old one's retirement written to the community folder. A
-generated key's seed is kept pending beside the roster until then (hearth/trust/pending_rotation.py), and a rerun
-reuses it, so the roster names the key the log's rotation names however often it is run."""
+a removal of the old key alone, after the member's earlier changes that stream's log lacks, signed with the system key
+as it stands, so a rotation of that key is signed by the old key and names the new one), then the new key and the old
+one's retirement written to the community folder. A generated key's seed is kept pending beside the roster until then
+(hearth/trust/pending_rotation.py), and a rerun reuses it, so the roster names the key the log's rotation names
+however often it is run."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hearth.services.community_removal import (
     rotation_differs,
     rotation_events,
 )
+from hearth.services.community_pending import earlier_changes
 from hearth.trust.keys import MemberKey, check_public_key
 from hearth.trust.pending_rotation import discard_pending_seed, keep_pending_seed, pending_seed, pending_seed_path
 from hearth.trust.roster import SYSTEM_MEMBER, RosterError
@@ -56,7 +58,8 @@ def rotate_member_key(community: Community, name: str, *, public_key: str | None
             keep_pending_seed(directory, member, new_key)
         try:
             published = publish_community_removal(community, name, nats_url, settings,
-                                                  rotation_events(new_public_key), rotation_differs(new_public_key))
+                                                  rotation_events(new_public_key), rotation_differs(new_public_key),
+                                                  earlier=earlier_changes)
         except EarlierRemovalDiffers:
             if isinstance(new_key, MemberKey):  # the log's first rotation names another key: this one never counts
                 discard_pending_seed(directory, name)

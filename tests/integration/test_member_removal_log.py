@@ -77,14 +77,16 @@ def test_a_removal_through_a_community_broker_cuts_at_its_event_live_in_a_rebuil
     removed = CliRunner().invoke(community_app, ["remove", "--name", "attic", "--dir", str(community.directory),
                                                  "--nats", server.url])
     assert removed.exit_code == 0, removed.output
-    assert f"its removal is at {SHARDS_STREAM} #4, {PIPELINES_STREAM} #1" in removed.output
+    # attic was added before the log: each stream gets its addition first (#4, #1), then its removal.
+    assert f"{SHARDS_STREAM}: published the addition of attic at #4 first" in removed.output
+    assert f"its removal is at {SHARDS_STREAM} #5, {PIPELINES_STREAM} #2" in removed.output
     cuts = {cut.stream: cut.seq for cut in community.roster().removed[0].cuts}
-    assert cuts == {SHARDS_STREAM: 4, PIPELINES_STREAM: 1}
+    assert cuts == {SHARDS_STREAM: 5, PIPELINES_STREAM: 2}
 
     asyncio.run(publish_as_attic(server.url, seed_file, [heartbeat(ATTIC_SHARD, node="attic", tokens=n)
                                                          for n in (3, 4)]))
     apply_new_messages(community, server.url, live, live_verifier)
-    after_the_removal = [(SHARDS_STREAM, 5, "removed_signer"), (SHARDS_STREAM, 6, "removed_signer")]
+    after_the_removal = [(SHARDS_STREAM, 6, "removed_signer"), (SHARDS_STREAM, 7, "removed_signer")]
     assert rejected(live) == after_the_removal
 
     # The steward's clock was an hour fast: the removal time in the roster is wrong, the cut is not.
@@ -131,13 +133,14 @@ def test_a_removal_run_again_keeps_the_first_runs_cut_even_once_that_event_has_a
 
     removed = remove_attic(community, server.url)
     assert removed.exit_code == 0, removed.output
-    assert (f"its removal is at {SHARDS_STREAM} #3 (published by an earlier run), {PIPELINES_STREAM} #1 (published "
+    # The first run put attic's addition before its removal on each stream (attic was added before the log).
+    assert (f"its removal is at {SHARDS_STREAM} #4 (published by an earlier run), {PIPELINES_STREAM} #2 (published "
             "by an earlier run)") in removed.output
     cuts = {cut.stream: cut.seq for cut in community.roster().removed[0].cuts}
-    assert cuts == {SHARDS_STREAM: 3, PIPELINES_STREAM: 1}
+    assert cuts == {SHARDS_STREAM: 4, PIPELINES_STREAM: 2}
     assert community.roster().removed[0].removed_at < between_the_runs  # the removal began with the first run
     asyncio.run(publish_as_attic(server.url, seed_file, [heartbeat(ATTIC_SHARD, node="attic", tokens=3)]))
-    after_the_removal = [(SHARDS_STREAM, 4, "removed_signer"), (SHARDS_STREAM, 5, "removed_signer")]
+    after_the_removal = [(SHARDS_STREAM, 5, "removed_signer"), (SHARDS_STREAM, 6, "removed_signer")]
     live = tmp_path / "live.sqlite"
     upgrade_database(live)
     apply_new_messages(community, server.url, live, EventVerifier(RosterFile(community.roster_path),
@@ -145,7 +148,7 @@ def test_a_removal_run_again_keeps_the_first_runs_cut_even_once_that_event_has_a
     assert rejected(live) == after_the_removal
 
     # Retention drops the oldest messages, the first removal event with them: the roster's cut stands in for it.
-    asyncio.run(as_steward(community, server.url, lambda js: js.purge_stream(SHARDS_STREAM, seq=4)))
+    asyncio.run(as_steward(community, server.url, lambda js: js.purge_stream(SHARDS_STREAM, seq=5)))
     verifier = EventVerifier(Roster.load(community.roster_path), max_clock_skew_s=30)
     fresh = tmp_path / "fresh.sqlite"
     asyncio.run(as_auditor(community, server.url, lambda js: rebuild_database(js, fresh, verifier=verifier)))

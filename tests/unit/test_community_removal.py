@@ -82,8 +82,9 @@ def steward_publishes_to(broker: FakeBroker, monkeypatch) -> FakeBroker:
     """`broker` as the streams `hearth community remove` / `rotate-key --nats` publish on, as the steward."""
 
     async def as_steward(member, steward_key, verifier, nats, system_key, make_event=removal_event,
-                         differs=any_removal):
-        return await publish_removal(member, steward_key, broker, verifier, make_event=make_event, differs=differs)
+                         differs=any_removal, earlier=None):
+        return await publish_removal(member, steward_key, broker, verifier, make_event=make_event, differs=differs,
+                                     earlier=earlier)
 
     monkeypatch.setattr(community_removal, "publish_removal_as_steward", as_steward)
     return broker

@@ -1,8 +1,9 @@
 """`hearth community publish-pending` puts on each stream what its log lacks of the roster's member changes, after an
 `add`, `remove` or `rotate-key` that a stream did not take: only there, in order, never twice, stopping on a stream at
 the first change it refuses (a reader must meet them in order), and saying per stream what it published and held;
-`list` shows the changes noted as missing until then. The real broker's run is
-tests/integration/test_member_changes_published_later.py."""
+`list` shows the changes noted as missing until then. An online `remove` or `rotate-key` publishes first what a stream
+lacks of its member's earlier changes, so it never overtakes one (a reader with an older roster could not follow). The
+real broker's run is tests/integration/test_member_changes_published_later.py."""
 
 from __future__ import annotations
 
@@ -159,3 +160,55 @@ def test_a_note_that_does_not_read_is_said_by_list_and_replaced_by_the_next_chan
     assert listed.exit_code == 0 and "the note does not read" in said(listed)
     assert hearth(community, "add", "--name", "garage", "--role", "shard", "--offline").exit_code == 0
     assert "garage: its addition is not in the log" in said(hearth(community, "list"))
+
+
+def members_log(broker: FakeBroker, stream: str) -> list[tuple[str, str, str]]:
+    """What `stream` holds of member changes, in order: type, member and the key each names."""
+    return [(event.type, event.member, getattr(event, "new_public_key", event.public_key))
+            for stored_in, _, _, event in broker.stored if stored_in == stream]
+
+
+def test_an_online_rotation_publishes_first_the_earlier_rotation_the_log_lacks(community, monkeypatch):
+    broker = on(FakeBroker(), monkeypatch)
+    first = community.roster().by_name("attic").public_key
+    assert hearth(community, "rotate-key", "attic", "--offline").exit_code == 0
+    second = community.roster().by_name("attic").public_key
+    rotated = hearth(community, "rotate-key", "attic")
+    assert rotated.exit_code == 0, rotated.output
+    third = community.roster().by_name("attic").public_key
+    for stream in ALL_STREAMS:  # a reader knowing only the first key follows to the third
+        assert members_log(broker, stream) == [("member.added", "attic", first),
+                                               ("member.key_rotated", "attic", second),
+                                               ("member.key_rotated", "attic", third)]
+        assert f"{stream}: published the rotation of attic's key to {second}" in said(rotated)
+    assert "publish-pending" not in hearth(community, "list").output
+
+
+def test_an_online_removal_publishes_first_the_addition_the_log_lacks(community, monkeypatch):
+    broker = on(FakeBroker(), monkeypatch)
+    assert hearth(community, "add", "--name", "garage", "--role", "shard", "--offline").exit_code == 0
+    garage = community.roster().by_name("garage").public_key
+    assert hearth(community, "remove", "--name", "garage").exit_code == 0
+    for stream in ALL_STREAMS:
+        assert members_log(broker, stream) == [("member.added", "garage", garage), ("member.removed", "garage", garage)]
+    assert "publish-pending" not in hearth(community, "list").output
+
+
+def test_a_stream_that_refuses_an_earlier_change_gets_nothing_new_and_publish_pending_follows_in_order(
+        community, monkeypatch):
+    assert hearth(community, "rotate-key", "attic", "--offline").exit_code == 0
+    broker = on(RefusingAfter(1, PIPELINES_STREAM), monkeypatch)  # takes attic's addition, not its first rotation
+    rotated = hearth(community, "rotate-key", "attic")
+    assert rotated.exit_code == 0, rotated.output
+    warned = [line for line in rotated.output.splitlines() if PIPELINES_STREAM in line and "warning" in line]
+    assert len(warned) == 1 and "the rotation of attic's key" in warned[0] and "nats: timeout" in warned[0]
+    assert [event for event, *_ in members_log(broker, PIPELINES_STREAM)] == ["member.added"]
+    assert len(members_log(broker, SHARDS_STREAM)) == 3
+    attic = community.roster().by_name("attic")
+    assert len(attic.retired_keys) == 2  # the roster changes as for a stream that refused the rotation itself
+    assert f"attic: its key rotation is not in the log of {PIPELINES_STREAM}" in said(hearth(community, "list"))
+
+    broker.taken = 10
+    assert hearth(community, "publish-pending").exit_code == 0
+    assert members_log(broker, PIPELINES_STREAM) == members_log(broker, SHARDS_STREAM)
+    assert "publish-pending" not in hearth(community, "list").output
