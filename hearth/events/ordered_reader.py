@@ -37,13 +37,16 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ReplayPolicy
 
 from hearth.events.cancellation import keeping_cancellation
+from hearth.events.reconnect_notices import listen_for_reconnects, stop_listening
 
 log = logging.getLogger(__name__)
 
 # Heartbeats let us notice a vanished consumer (server restart) within ~3 intervals.
 consumer_idle_heartbeat_s = 2.0
 missed_heartbeats_before_reset = 3
-# How often a quiet reader checks for a reconnect, missing heartbeats or its idle timeout.
+# How often a quiet reader looks at its connection's reconnect count when the connection does not say when it
+# reconnects (events.reconnect_notices); one that says wakes it, and a quiet reader otherwise sleeps until its silence
+# limit or idle timeout is due.
 quiet_check_interval_s = 0.5
 # Safety net for a reader that dies without deleting its consumer.
 consumer_inactive_threshold_s = 30.0
@@ -56,6 +59,8 @@ _STATUS_HEADER = "Status"
 _DESCRIPTION_HEADER = "Description"
 _CONSUMER_STALLED_HEADER = "Nats-Consumer-Stalled"
 _LAST_CONSUMER_HEADER = "Nats-Last-Consumer"
+# Put on a reader's queue when its connection has reconnected: the consumer may be gone with a restarted server.
+_RECONNECTED = object()
 _CONTROL_STATUS = "100"
 _CONFLICT_STATUS = "409"
 
@@ -102,11 +107,16 @@ class OrderedPushReader:
         self._reconnects_at_creation = 0
         self._waiting_since = time.monotonic()
         self._nothing_left = False
+        self._reconnects_told = False
 
     async def open(self) -> bool:
         """Create the first consumer; False when nothing is there to read and the read is bounded."""
+        self._reconnects_told = listen_for_reconnects(self._nc, self._wake_on_reconnect)
         num_pending = await self._create_consumer_retrying()
         return self._follow or num_pending > 0
+
+    def _wake_on_reconnect(self) -> None:
+        self._queue.put_nowait((self._generation, _RECONNECTED))
 
     async def next_data_message(self) -> Msg | None:
         """The next in-order data message (None: a bounded read found nothing left after a reset).
@@ -122,6 +132,9 @@ class OrderedPushReader:
             if delivery is None:
                 continue
             generation, msg = delivery
+            if msg is _RECONNECTED:
+                await self._recreate_if_reconnected()
+                continue
             if generation != self._generation:
                 continue  # a late delivery to a consumer we already replaced
             self._last_activity = time.monotonic()
@@ -149,28 +162,42 @@ class OrderedPushReader:
             return msg
 
     async def _wait_for_message(self) -> tuple[int, Msg] | None:
+        """The next delivery, or None once a quiet check was due (and made): the silence limit, a bounded read's idle
+        timeout, or (on a connection that does not say when it reconnects) a look at its reconnect count."""
         silence_limit_s = consumer_idle_heartbeat_s * missed_heartbeats_before_reset
+        now = time.monotonic()
+        due = [max(self._last_activity, self._waiting_since) + silence_limit_s]
+        if not self._follow:
+            due.append(max(self._last_data, self._waiting_since) + self._idle_timeout_s)
+        if not self._reconnects_told:
+            due.append(now + quiet_check_interval_s)
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a message that arrives in the turn a
             # cancellation lands and drops the cancellation, and a follow stopped by a signal would go on reading.
-            async with asyncio.timeout(quiet_check_interval_s):
+            async with asyncio.timeout(max(0.0, min(due) - now)):
                 return await self._queue.get()
         except TimeoutError:
             pass
         now = time.monotonic()
-        if not self._follow and now - max(self._last_data, self._waiting_since) > self._idle_timeout_s:
+        if not self._follow and now - max(self._last_data, self._waiting_since) >= self._idle_timeout_s:
             raise StreamReadStalled(
                 f"no message from {self._stream} for {self._idle_timeout_s} s "
                 f"(waiting for stream seq >= {self._next_stream_seq})"
             )
-        if self._nc.stats["reconnects"] != self._reconnects_at_creation:
-            # The server may have restarted and lost our in-memory consumer: don't wait for heartbeats to tell.
-            log.info("%s: reconnected to NATS, recreating the consumer", self._stream)
-            await self._reset()
-        elif now - max(self._last_activity, self._waiting_since) > silence_limit_s:
+        if (not await self._recreate_if_reconnected()
+                and now - max(self._last_activity, self._waiting_since) >= silence_limit_s):
             log.info("%s: no heartbeat for %.1f s, recreating the consumer", self._stream, silence_limit_s)
             await self._reset()
         return None
+
+    async def _recreate_if_reconnected(self) -> bool:
+        """Recreate the consumer if the connection reconnected since it was created: the server may have restarted
+        and lost it (in memory), and waiting for its heartbeats to stop would take three of them."""
+        if self._nc.stats["reconnects"] == self._reconnects_at_creation:
+            return False
+        log.info("%s: reconnected to NATS, recreating the consumer", self._stream)
+        await self._reset()
+        return True
 
     async def _handle_status(self, msg: Msg, status: str) -> None:
         headers = msg.headers or {}
@@ -285,6 +312,7 @@ class OrderedPushReader:
                 log.debug("%s: could not delete consumer %s: %s", self._stream, name, error)
 
     async def close(self) -> None:
+        stop_listening(self._nc, self._wake_on_reconnect)
         await self._discard_consumer()
 
 

@@ -1,9 +1,11 @@
 """The rows one projection batch touches: each loaded once, edited as a plain dict, written back in one executemany.
 
-Handlers do not talk SQL: they edit the dict rows a `BatchRows` holds, and `flush()` writes every changed
-row back whole (INSERT OR REPLACE) with one executemany per table. That keeps a heartbeat at a few
-microseconds instead of two SQL statements. All SQL runs on the session's own DB-API connection, inside
-the caller's transaction.
+Handlers do not talk SQL: they edit the dict rows a `BatchRows` holds, and `flush()` writes every changed row back
+whole (an upsert) with one executemany per table. That keeps a heartbeat at a few microseconds instead of two SQL
+statements. A row that exists is updated where it stands (ON CONFLICT DO UPDATE), not deleted and inserted again as
+INSERT OR REPLACE would: its key index is left as it is, so a heartbeat writes one page per row it changes instead of
+two (an idle mesh's read models take mostly heartbeats: BENCHMARKS.md, "An idle mesh"). All SQL runs on the session's
+own DB-API connection, inside the caller's transaction.
 """
 
 from __future__ import annotations
@@ -90,9 +92,11 @@ class TableSql:
         where = " AND ".join(f"{name} = ?" for name in self.key_columns)
         self.select_one = f"SELECT {', '.join(self.columns)} FROM {table.name} WHERE {where}"
         placeholders = ", ".join("?" for _ in self.columns)
-        # Every write carries the whole row, so REPLACE is an upsert (no foreign keys point at these rows).
-        self.replace = (
-            f"INSERT OR REPLACE INTO {table.name} ({', '.join(self.columns)}) VALUES ({placeholders})"
+        # Every write carries the whole row; the primary key is each table's only unique constraint.
+        updates = ", ".join(f"{name} = excluded.{name}" for name in self.columns if name not in self.key_columns)
+        self.upsert = (
+            f"INSERT INTO {table.name} ({', '.join(self.columns)}) VALUES ({placeholders}) "
+            f"ON CONFLICT ({', '.join(self.key_columns)}) DO {f'UPDATE SET {updates}' if updates else 'NOTHING'}"
         )
 
 
@@ -111,6 +115,9 @@ class BatchRows:
         self._cursor = session_cursor(session)
         self._rows: dict[str, dict[Any, Row | None]] = {name: {} for name in TABLE_SQL}
         self._dirty: dict[str, dict[Any, Row]] = {name: {} for name in TABLE_SQL}
+        # Each row's values as the database holds them (column order), as read or last written: a dirty row equal to
+        # them is not written (an idle shard's heartbeat leaves its shard_stats row as it was).
+        self._stored: dict[str, dict[Any, tuple]] = {name: {} for name in TABLE_SQL}
         # The signers whose kept-prefix records the batch brought: their expired ones are pruned after flush.
         self.kept_prefix_signers: set[str] = set()
 
@@ -127,6 +134,8 @@ class BatchRows:
             self._cursor.execute(sql.select_one, key if isinstance(key, tuple) else (key,))
             found = self._cursor.fetchone()
             rows[key] = dict(zip(sql.columns, found)) if found is not None else None
+            if found is not None:
+                self._stored[table.name][key] = tuple(found)
         return rows[key]
 
     def preload(self, table: Table, keys: Iterable[Any]) -> None:
@@ -150,6 +159,7 @@ class BatchRows:
                 row = dict(zip(sql.columns, found))
                 key = tuple(row[name] for name in sql.key_columns)
                 rows[key if width > 1 else key[0]] = row
+                self._stored[table.name][key if width > 1 else key[0]] = tuple(found)
 
     def where(self, table: Table, column: str, value: Any) -> list[Row]:
         """Every current row whose `column` is `value`: the stored ones loaded into the batch (a row it already
@@ -162,7 +172,10 @@ class BatchRows:
         for found in self._cursor.fetchall():
             row = dict(zip(sql.columns, found))
             key = tuple(row[name] for name in sql.key_columns)
-            rows.setdefault(key if len(key) > 1 else key[0], row)
+            key = key if len(key) > 1 else key[0]
+            if key not in rows:
+                rows[key] = row
+                self._stored[table.name][key] = tuple(found)
         return [row for row in rows.values() if row is not None and row[column] == value]
 
     def edit(self, table: Table, key: Any, new_row: Callable[[], Row] | None = None) -> Row | None:
@@ -186,9 +199,11 @@ class BatchRows:
         pipelines = list(self._dirty[PIPELINES.name].values())
         for name, dirty in self._dirty.items():
             if dirty:
-                sql = TABLE_SQL[name]
-                values = [tuple(row[column] for column in sql.columns) for row in dirty.values()]
-                self._cursor.executemany(sql.replace, values)
+                sql, stored = TABLE_SQL[name], self._stored[name]
+                changed = {key: values for key, row in dirty.items()
+                           if (values := tuple(row[column] for column in sql.columns)) != stored.get(key)}
+                self._cursor.executemany(sql.upsert, changed.values())
+                stored.update(changed)
                 dirty.clear()
         return pipelines
 

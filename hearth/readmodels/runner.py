@@ -44,7 +44,7 @@ from hearth.readmodels.positions import ConcurrentProjectionError, load_stream_i
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, load_positions
 from hearth.readmodels.retention import RetentionPolicy, keep_pruning
 from hearth.readmodels.storage_fault_log import StorageFaultLog
-from hearth.readmodels.stream_identity import StreamIdentities, stream_state
+from hearth.readmodels.stream_identity import StreamIdentities, poll_streams, stream_state
 from hearth.readmodels.task_cancel import cancel_within
 from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 batch_max_events = 2_000
 queue_max_events = 20_000
-lag_poll_interval_s = 1.0
+lag_poll_interval_s = 10.0  # applied messages move the lag gauges too; a Prometheus scrape comes every 15 s
 follower_retry_initial_s = 0.2
 follower_retry_max_s = 5.0
 apply_retry_initial_s = 0.5
@@ -110,6 +110,7 @@ class Projector:
         self._handed_over: dict[str, int] = {}
         # The stream each position was taken in, and those created again since (readmodels.stream_identity).
         self._identities = StreamIdentities(self.streams)
+        self._first_applied = asyncio.Event()  # a position moved off 0: the stream it is in is recorded at once
         # One resume (followers replaced) at a time: two at once left followers no one stopped.
         self._resume_lock = asyncio.Lock()
         # Per stream, (seq, stored at epoch s) of every message handed to the applier and not applied yet: how old
@@ -337,6 +338,8 @@ class Projector:
         async with self._progress:
             for message in batch:
                 if message.seq > self.positions[message.stream]:
+                    if self.positions[message.stream] == 0:
+                        self._first_applied.set()
                     self.positions[message.stream] = message.seq
                 if message.seq > self.stream_last_seqs[message.stream]:
                     self.stream_last_seqs[message.stream] = message.seq
@@ -374,10 +377,7 @@ class Projector:
             self.found_unusable.set()
 
     async def _lag_loop(self) -> None:
-        while True:
-            for stream in self.streams:
-                await self._check_stream(stream)
-            await asyncio.sleep(lag_poll_interval_s)
+        await poll_streams(self.streams, self._check_stream, lag_poll_interval_s, at_once=self._first_applied)
 
     async def _check_stream(self, stream: str) -> None:
         """Poll `stream`'s last sequence, and whether it is still the stream the position was taken in."""

@@ -4,8 +4,9 @@ has already passed (or applying the new stream's messages past its position as i
 
 A stream is known by its creation time, which the broker keeps unchanged across updates, restarts, scaling and
 leader changes; the read model records it with the position (projection_positions.stream_created). A fresh
-position is taken in the stream as the projector saw it before reading anything of it; a position recorded before
-that column existed (a database migrated to it) takes the stream it next sees for its own.
+position is taken in the stream as the projector saw it before reading anything of it, recorded as soon as the position
+first moves (`poll_streams`, at once rather than at the next poll); a position recorded before that column existed (a
+database migrated to it) takes the stream it next sees for its own.
 
 A projector does not move its position back by itself: messages of the new stream may already have been applied
 under the old position (its reader takes up a stream of the same name again after a gap), and a stream restored
@@ -15,6 +16,8 @@ now gives the rows it holds (`hearth-replay rebuild`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -37,6 +40,18 @@ async def stream_state(js, stream: str) -> StreamState:
     info = await keeping_cancellation(js.stream_info(stream))
     created = info.created.astimezone(timezone.utc).isoformat() if info.created is not None else None
     return StreamState(created=created, last_seq=int(info.state.last_seq))
+
+
+async def poll_streams(streams: Iterable[str], check: Callable[[str], Awaitable[None]], every_s: float, *,
+                       at_once: asyncio.Event) -> None:
+    """`check` each stream now, then every `every_s`, and again as soon as `at_once` is set, until cancelled."""
+    while True:
+        at_once.clear()
+        for stream in streams:
+            await check(stream)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(every_s):  # not wait_for: a stop landing as it ends would be dropped (3.11)
+                await at_once.wait()
 
 
 def replaced(state: StreamState, *, position: int, recorded: str | None) -> bool:

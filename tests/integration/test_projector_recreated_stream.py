@@ -40,7 +40,7 @@ async def test_a_stream_created_again_under_a_running_projector_is_said_and_its_
     try:
         first = await publish_all(js, synthetic_events(pipelines=3, heartbeats_per_shard=2, seed=7))
         await wait_for_metric(registry, "hearth_projector_position", first, resume_timeout_s)
-        await asyncio.sleep(1.5)  # a lag poll records each stream's creation time
+        await asyncio.sleep(1.5)  # the poll as a position first moves records each stream's creation time
         # The same streams updated, and the server restarted: nothing to say.
         await ensure_streams(js, replicas=1)
         await asyncio.to_thread(nats_server.restart)
@@ -68,7 +68,7 @@ async def test_a_projector_started_after_its_stream_was_created_again_says_so(na
         service = asyncio.create_task(run_projector(db_path, nats_server.url, stop_event=stop, registry=registry))
         first = await publish_all(js, synthetic_events(pipelines=3, heartbeats_per_shard=2, seed=7))
         await wait_for_metric(registry, "hearth_projector_position", first, resume_timeout_s)
-        await asyncio.sleep(1.5)  # a lag poll records each stream's creation time
+        await asyncio.sleep(1.5)  # the poll as a position first moves records each stream's creation time
         stop.set()
         await asyncio.wait_for(service, timeout=15)
 

@@ -37,6 +37,7 @@ def test_the_metrics_server_serves_the_registry_and_stops():
         assert "hearth_test_served_total 1.0" in body
     finally:
         server.stop()
+    assert not server._thread.is_alive()  # woken out of its wait for a connection, it saw the stop
     with pytest.raises(OSError):
         urllib.request.urlopen(server.url, timeout=2)
 

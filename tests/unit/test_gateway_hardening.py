@@ -13,13 +13,12 @@ import urllib.request
 from types import SimpleNamespace
 
 import pytest
-import uvicorn
 
 from hearth.services.client.chat import _decode_known
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app
 from hearth.services.gateway.errors import GatewayError
-from hearth.services.gateway.http_server import server_config, write_stall_timeouts_total
+from hearth.services.gateway.http_server import GatewayHttpServer, server_config, write_stall_timeouts_total
 from hearth.protocol.chat import max_choices, max_messages, max_tokens_limit
 from hearth.services.gateway.keys import Caller
 from hearth.services.gateway.mesh import Gateway, MeshCall
@@ -42,10 +41,9 @@ async def serving(gateway: Gateway, servers: list | None = None):
     """The gateway's app on uvicorn as `hearth gateway` configures it, on a free loopback port: its base URL (the
     uvicorn server appended to `servers`)."""
     sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(server_config(create_app(gateway), gateway.settings.gateway))
+    server = GatewayHttpServer(server_config(create_app(gateway), gateway.settings.gateway))
     if servers is not None:
         servers.append(server)
-    server.capture_signals = contextlib.nullcontext  # the test runner owns the signals
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:

@@ -1,23 +1,24 @@
 """The gateway stopping (a real uvicorn on the loopback, as `hearth gateway` stops it) while calls are open: a call
 that ends within `[gateway] shutdown_grace_s` is answered whole, and one still open after it gets an OpenAI answer
 the client can act on (503 `gateway_stopping` with Retry-After, or that error event mid-stream), not uvicorn's
-plain-text 500 or a stream cut short."""
+plain-text 500 or a stream cut short. Until then its server sleeps: it does not wake ten times a second to look for
+the stop, as uvicorn's own main loop does."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
+from email.utils import parsedate_to_datetime
 import socket
 
 import httpx2
 import openai
 import pytest
-import uvicorn
 
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app
-from hearth.services.gateway.http_server import server_config, stop_serving
-from tests.unit.test_gateway_hardening import CLOSE_WAIT_S
+from hearth.services.gateway.http_server import GatewayHttpServer, server_config, stop_serving
+from tests.unit.test_gateway_hardening import CLOSE_WAIT_S, gateway_with, get, serving
 from tests.unit.test_withdrawn_tokens import MODEL, ScriptedCall, ScriptedGateway, done, token
 from tests.unit.test_gateway_retry_hints import waits_as_named
 
@@ -67,8 +68,7 @@ async def asked(client: openai.AsyncOpenAI, *, max_tokens: int, stream: bool):
 async def test_calls_open_past_the_grace_are_answered_503_gateway_stopping_and_a_stream_ends_with_its_event():
     gateway = HeldGateway()
     sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(server_config(create_app(gateway), gateway.settings.gateway))
-    server.capture_signals = contextlib.nullcontext  # the test runner owns the signals
+    server = GatewayHttpServer(server_config(create_app(gateway), gateway.settings.gateway))
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:
@@ -108,3 +108,24 @@ async def test_a_call_after_the_stop_is_answered_503_at_once(path):
                           else http.get(path))
     assert (response.status_code, response.json()["error"]["code"]) == (503, "gateway_stopping")
     assert waits_as_named(response.headers, 1) and not gateway.received
+
+
+async def test_the_http_server_does_not_tick_while_idle_and_dates_each_answer_when_it_comes():
+    """uvicorn's main loop wakes every 0.1 s (on_tick) to look for a stop and renew the Date header; the gateway's
+    waits for the stop, and each answer is still dated by the second its request came in."""
+    servers: list = []
+    ticks: list[int] = []
+    async with serving(gateway_with(), servers) as address:
+        async def counted_tick(counter: int) -> bool:
+            ticks.append(counter)
+            return False
+
+        servers[0].on_tick = counted_tick
+        _, headers = await asyncio.to_thread(get, address, "/healthz")
+        first = parsedate_to_datetime(headers["date"])
+        while int(time.time()) <= first.timestamp():  # the next second
+            await asyncio.sleep(0.05)
+        _, headers = await asyncio.to_thread(get, address, "/healthz")
+        assert parsedate_to_datetime(headers["date"]) > first
+        assert abs(parsedate_to_datetime(headers["date"]).timestamp() - time.time()) < 60
+    assert ticks == []

@@ -38,6 +38,7 @@ async def test_the_projectors_lag_poll_stopped_as_the_broker_answers_stops():
     projector.positions = {stream: 0 for stream in projector.streams}
     projector.stream_last_seqs = {}
     projector._identities = StreamIdentities(projector.streams)
+    projector._first_applied = asyncio.Event()
 
     polling = asyncio.create_task(projector._lag_loop())
     await js.waiting.wait()

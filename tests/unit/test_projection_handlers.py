@@ -117,6 +117,31 @@ def test_heartbeats_keep_the_latest_values(engine):
     assert get(engine, ShardStats, shard.shard_id).tokens_served == 250
 
 
+def _pages_written(engine, messages) -> int:
+    """The pages the write-ahead log takes for applying `messages` in one transaction."""
+    with engine.connect() as connection:
+        connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    apply_all(engine, messages)
+    with engine.connect() as connection:
+        return connection.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)").one()[1]
+
+
+def test_a_heartbeat_writes_only_the_rows_it_changes_and_in_place(engine):
+    """A heartbeat of a known shard changes figures, not keys: its rows are updated where they stand, so the
+    write-ahead log takes one page per row it changed, and none of their key indexes (a row replaced whole is deleted
+    and inserted again, and its key index page with it); a row it leaves as it was (an idle shard's shard_stats) is not
+    written at all."""
+    log = LogBuilder()
+    shard = advertised(0, 3, "kitchen")
+    apply_all(engine, [log.stored(shard), log.stored(heartbeat(shard.shard_id, t=1, tokens=100))])
+    # shard_health, shard_stats, event_counts and the position.
+    assert _pages_written(engine, [log.stored(heartbeat(shard.shard_id, t=2, queue_depth=1, tokens=250))]) == 4
+    assert get(engine, ShardStats, shard.shard_id).tokens_served == 250
+    # The same tokens served: shard_stats stays as it is.
+    assert _pages_written(engine, [log.stored(heartbeat(shard.shard_id, t=3, tokens=250))]) == 3
+    assert get(engine, ShardHealth, shard.shard_id).last_seen == epoch_s(at(3))
+
+
 def test_pipeline_lifecycle_with_failover(engine):
     log = LogBuilder()
     a, b, c = "m:0-3@a", "m:4-7@b", "m:4-7@c"

@@ -1,5 +1,6 @@
 """A shard's watchdog keeps closing expired hops and evicting idle sessions though one close (or one eviction) fails:
-the failure is logged by its type and traceback, never its message, and the next hop and the next round go on."""
+the failure is logged by its type and traceback, never its message, and the next hop and the next round go on. With
+no hop open it waits for one rather than going round."""
 
 from __future__ import annotations
 
@@ -33,16 +34,21 @@ class _Compute:
         return 0
 
 
+class _OpenHop:
+    def expiry_reason(self, now: float) -> str | None:
+        return None
+
+
 class _ExpiredHop:
     def expiry_reason(self, now: float) -> str | None:
         return "no step and no keepalive from its orchestrator for 9.0 s"
 
 
-def _server(compute: _Compute) -> ShardServer:
+def _server(compute: _Compute, eviction_idle_s: float = 0.04) -> ShardServer:
     identity = ShardIdentity(shard_id="s", model_id="m", node_id="n", weights_sha256="w", layer_lo=0, layer_hi=3,
                              total_layers=8, dtype="float32", memory_required_mb=1.0, control_subject="hearth.ctl.n.s")
     # A round every 10 ms.
-    settings = HearthSettings(transport={"orphan_timeout_s": 0.04}, shard={"eviction_idle_s": 0.04})
+    settings = HearthSettings(transport={"orphan_timeout_s": 0.04}, shard={"eviction_idle_s": eviction_idle_s})
     return ShardServer(_Connection(), compute, identity, settings)
 
 
@@ -95,3 +101,19 @@ async def test_an_eviction_that_raises_does_not_end_the_watchdog(caplog):
 
     assert "RuntimeError" in caplog.text
     assert _SECRET not in caplog.text
+
+
+async def test_with_no_hop_open_the_watchdog_waits_for_one_instead_of_going_round():
+    compute = _Compute()
+    server = _server(compute, eviction_idle_s=3600.0)  # a round every 10 ms while a hop is open
+    watchdog = asyncio.create_task(server._watchdog_loop())
+    try:
+        await asyncio.sleep(0.2)  # twenty rounds' time
+        assert compute.evictions == 0
+        server._hops["open"] = _OpenHop()
+        server._hop_opened.set()  # as opening a hop does
+        await _until(lambda: compute.evictions >= 2)
+        assert not watchdog.done()
+    finally:
+        watchdog.cancel()
+        await asyncio.wait({watchdog}, timeout=2)

@@ -16,6 +16,7 @@ from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
 from nats.aio.client import Client as NatsClient
 
 from hearth.events.cancellation import keeping_cancellation
+from hearth.events.reconnect_notices import tells_reconnects, told_reconnected
 from hearth.services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings, default_nats_url
 from hearth.services.common.identity import Identity, load_identity
 from hearth.services.common.lifecycle import CommandRefused
@@ -170,6 +171,7 @@ async def connect_nats(
     except ValueError as error:  # not from --nats or the configuration, both checked: $HEARTH_NATS_URL, read here
         raise CommandRefused(str(error)) from None
     nc = NatsClient()
+    tells_reconnects(nc)
     closed_event = _closed_events.setdefault(nc, asyncio.Event())
     _refused_events[nc] = asyncio.Event()
     key_refused = _key_refusals[nc] = asyncio.Event()
@@ -226,6 +228,7 @@ async def connect_nats(
         state["told_refused"] = False
         key_refused.clear()
         log.info("%s: reconnected to NATS %s", name, target)
+        told_reconnected(nc)
         if on_reconnected is not None:
             result = on_reconnected()
             if result is not None:

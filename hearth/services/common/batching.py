@@ -47,8 +47,9 @@ Item = TypeVar("Item")
 pace_slack_intervals = 0.25
 # How long a stream that stopped coming is remembered for pacing (late by more; merging forgets it sooner).
 pace_memory_s = 1.0
-# How long a scheduler loop waits for a first item before it asks again (an idle loop's wait still ends).
-scheduler_idle_wait_s = 1.0
+# How long a scheduler loop waits for a first item before it asks again: `put` wakes it, so this only bounds the wait
+# (an idle shard host or orchestrator is not woken every second for nothing).
+scheduler_idle_wait_s = 60.0
 
 
 @dataclass

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
 from typing import TypeVar
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     REGISTRY,
@@ -18,8 +21,8 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
     generate_latest,
+    make_wsgi_app,
 )
-from prometheus_client import start_http_server as _prometheus_start_http_server
 
 from hearth.services.common.lifecycle import CommandRefused
 
@@ -92,6 +95,19 @@ def sample_value(name: str, labels: dict[str, str] | None = None, *, registry: C
     return 0.0 if value is None else value
 
 
+# How long stopping waits for the server's thread to end.
+metrics_server_stop_timeout_s = 5.0
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+        """No line per scrape."""
+
+
+class _ThreadingWsgiServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape under way does not hold the process's exit
+
+
 @dataclass
 class MetricsServer:
     """A running /metrics HTTP server; `stop()` shuts it down."""
@@ -100,18 +116,32 @@ class MetricsServer:
     port: int
     _server: WSGIServer
     _thread: threading.Thread
+    _stopping: threading.Event = field(default_factory=threading.Event)
 
     @property
     def url(self) -> str:
         """Where to scrape it from this machine (a server on every interface is reached on the loopback; an IPv6
         address goes in brackets)."""
-        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        host = self._reachable_host
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
 
+    @property
+    def _reachable_host(self) -> str:
+        return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+
     def stop(self) -> None:
-        self._server.shutdown()
+        self._stopping.set()
+        with contextlib.suppress(OSError):  # its thread waits in accept: a connection wakes it to see the stop
+            socket.create_connection((self._reachable_host, self.port), timeout=metrics_server_stop_timeout_s).close()
+        self._thread.join(timeout=metrics_server_stop_timeout_s)
         self._server.server_close()
-        self._thread.join(timeout=5.0)
+
+
+def _serve_until_stopped(server: WSGIServer, stopping: threading.Event) -> None:
+    """Answer requests until `stopping` is set, waiting in accept meanwhile (socketserver's serve_forever looks for a
+    shutdown twice a second, waking an idle process for nothing)."""
+    while not stopping.is_set():
+        server.handle_request()
 
 
 def start_metrics_server(port: int, *, host: str, registry: CollectorRegistry = REGISTRY) -> MetricsServer:
@@ -119,11 +149,17 @@ def start_metrics_server(port: int, *, host: str, registry: CollectorRegistry = 
     the interface ([metrics] host): /metrics has no authentication and names callers. CommandRefused when the
     address cannot be had (the port taken, an unknown host): one line, not a traceback."""
     try:
-        server, thread = _prometheus_start_http_server(port, addr=host, registry=registry)
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        server_class = type("MetricsWsgiServer", (_ThreadingWsgiServer,), {"address_family": family})
+        server = make_server(address[0], port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
     except OSError as error:
         raise CommandRefused(f"--metrics-port {port}: cannot listen on {host}:{port}: "
                              f"{error.strerror or error}") from None
-    metrics_server = MetricsServer(host=host, port=server.server_address[1], _server=server, _thread=thread)
+    stopping = threading.Event()
+    thread = threading.Thread(target=_serve_until_stopped, args=(server, stopping), name="metrics-http", daemon=True)
+    thread.start()
+    metrics_server = MetricsServer(host=host, port=server.server_address[1], _server=server, _thread=thread,
+                                   _stopping=stopping)
     log.info("metrics on %s (interface %s)", metrics_server.url, host)
     return metrics_server
 

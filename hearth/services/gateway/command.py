@@ -4,7 +4,6 @@ SIGINT/SIGTERM (services.common.lifecycle handles the signals, not uvicorn)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from pathlib import Path
@@ -82,19 +81,13 @@ def base_url(sock: socket.socket) -> str:
 
 async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | None, sock: socket.socket,
                       ready_file: Path | None, stop_event: asyncio.Event, metrics_port: int = 0) -> None:
-    import uvicorn
-
     from hearth.services.common.lifecycle import CommandRefused, unless_stopped, write_ready_file
     from hearth.services.common.metrics import serve_process_metrics
     from hearth.services.broker.connection import connect_nats, drain_or_close
     from hearth.services.gateway.app import create_app
-    from hearth.services.gateway.http_server import server_config, stop_serving
+    from hearth.services.gateway.http_server import GatewayHttpServer, server_config, stop_serving
     from hearth.services.gateway.keys import ApiKeyError, WatchedApiKeyring
     from hearth.services.gateway.mesh import Gateway
-
-    class Server(uvicorn.Server):
-        def capture_signals(self):  # hearth's lifecycle owns SIGINT/SIGTERM: they set stop_event
-            return contextlib.nullcontext()
 
     keyring = None
     if community_dir is not None:
@@ -105,7 +98,7 @@ async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | N
     nc = await unless_stopped(connect_nats(nats_url, name="hearth-gateway", settings=hearth_settings.nats), stop_event)
     gateway_settings = hearth_settings.gateway
     gateway = Gateway(nc, hearth_settings, keyring)
-    server = Server(server_config(create_app(gateway), gateway_settings))
+    server = GatewayHttpServer(server_config(create_app(gateway), gateway_settings))
     serving = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
     metrics_server = None
     try:

@@ -16,7 +16,8 @@ counted, and fewer than when it was armed means the client is still reading: the
 At shutdown calls in flight have `[gateway] shutdown_grace_s` to finish; the gateway then ends those still open with
 an answer of its own (503 `gateway_stopping`, or that error event mid-stream: services.gateway.mesh.CallStops), and
 uvicorn cancels only what has not answered `stopped_calls_answer_s` later (its cancellation answers a plain-text 500,
-or cuts a stream short).
+or cuts a stream short). uvicorn's main loop wakes every 0.1 s to look for a stop and renew the Date header; the
+gateway's waits for the stop and renews the header as requests come (an idle gateway is not woken ten times a second).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import contextlib
 import fcntl
 import struct
 import termios
+import time
 from collections.abc import Callable
+from email.utils import formatdate
 
 import h11
 import uvicorn
@@ -76,6 +79,47 @@ class _Deadline:
         self._passed()
 
 
+class DefaultHeaders:
+    """The headers uvicorn adds to every answer (Date, and the configured ones), renewed when a request comes in a
+    later second than the last: uvicorn renews them from the tick hearth's server does not run."""
+
+    def __init__(self) -> None:
+        self._second: int | None = None
+
+    def renew(self, server_state, config: uvicorn.Config) -> None:
+        second = int(time.time())
+        if second != self._second:
+            self._second = second
+            date = [(b"date", formatdate(second, usegmt=True).encode())] if config.date_header else []
+            server_state.default_headers = date + config.encoded_headers
+
+
+class GatewayHttpServer(uvicorn.Server):
+    """uvicorn's server as the gateway runs it: hearth's lifecycle owns SIGINT and SIGTERM (they set the process's
+    stop), and the main loop waits for `should_exit` instead of looking every 0.1 s."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        self._exit_requested = asyncio.Event()  # uvicorn's own __init__ sets should_exit
+        super().__init__(config)
+
+    @property
+    def should_exit(self) -> bool:  # type: ignore[override]
+        return self._exit_requested.is_set()
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value:
+            self._exit_requested.set()
+        else:
+            self._exit_requested.clear()
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+    async def main_loop(self) -> None:
+        await self._exit_requested.wait()  # the process's stop (stop_serving), as long as it serves
+
+
 class RequestDeadlineProtocol(H11Protocol):
     """uvicorn's h11 protocol with one deadline per request: a connection that has not sent a whole request within
     `read_timeout_s` of opening, or of its previous answer, is closed (answered 408 when it began a head it never
@@ -83,6 +127,7 @@ class RequestDeadlineProtocol(H11Protocol):
 
     read_timeout_s: float  # set on the subclass request_deadline_protocol() makes
     write_stall_timeout_s: float
+    default_headers: DefaultHeaders
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -130,6 +175,7 @@ class RequestDeadlineProtocol(H11Protocol):
         self.transport.abort()
 
     def handle_events(self) -> None:
+        self.default_headers.renew(self.server_state, self.config)  # before a request's answer takes them
         super().handle_events()
         if self.conn.their_state not in _RECEIVING:
             self._read_deadline.disarm()
@@ -166,7 +212,8 @@ def _unacknowledged_bytes(transport: asyncio.Transport) -> int | None:
 def request_deadline_protocol(read_timeout_s: float, write_stall_timeout_s: float) -> type[RequestDeadlineProtocol]:
     """The protocol class uvicorn gets as `http=`, with these deadlines."""
     return type("RequestDeadlineProtocol", (RequestDeadlineProtocol,),
-                {"read_timeout_s": read_timeout_s, "write_stall_timeout_s": write_stall_timeout_s})
+                {"read_timeout_s": read_timeout_s, "write_stall_timeout_s": write_stall_timeout_s,
+                 "default_headers": DefaultHeaders()})
 
 
 def server_config(app, settings: GatewaySettings) -> uvicorn.Config:
@@ -180,7 +227,7 @@ def server_config(app, settings: GatewaySettings) -> uvicorn.Config:
         backlog=settings.listen_backlog, h11_max_incomplete_event_size=settings.max_header_bytes)
 
 
-async def stop_serving(server: uvicorn.Server, serving: asyncio.Task, grace_s: float,
+async def stop_serving(server: GatewayHttpServer, serving: asyncio.Task, grace_s: float,
                        end_open_calls: Callable[[], None]) -> None:
     """Stop `server` (`serving`: its serve() task): calls in flight have `grace_s` to finish, then `end_open_calls`
     ends the rest with answers of their own, which they have `stopped_calls_answer_s` to send."""

@@ -97,6 +97,7 @@ class ShardServer(HopClosing):
             orphan_timeout_s=settings.transport.orphan_timeout_s, close_timeout_s=settings.shard.hop_close_timeout_s,
             transport=settings.transport)
         self._hops: dict[str, ServedHop] = {}
+        self._hop_opened = asyncio.Event()  # wakes the watchdog, which waits for one while none is open
         self._control_sub = None
         self._background: list[asyncio.Task] = []
         self._control_tasks: set[asyncio.Task] = set()
@@ -195,7 +196,9 @@ class ShardServer(HopClosing):
                 log.warning("advertisement not published: %s", error)
 
     async def _watchdog_loop(self) -> None:
-        await watch_hops(self._hops, self.limits, self.compute.evict_idle, self._close_expired)
+        kept_idle_s = self.settings.prefix_cache_idle_s or self.settings.eviction_idle_s  # 0: nothing is kept
+        await watch_hops(self._hops, self.limits, self.compute.evict_idle, self._close_expired,
+                         hop_opened=self._hop_opened, cache_idle_s=min(self.settings.eviction_idle_s, kept_idle_s))
 
     async def stop(self, reason: str = "shutdown") -> None:
         if self._stopped:
@@ -366,6 +369,7 @@ class ShardServer(HopClosing):
         hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id, opener=opener,
                         opener_key=opener_key)
         self._hops[request.pipeline_id] = hop
+        self._hop_opened.set()
         self.compute.active_streams = len(self._hops)
         return hop, replaced
 
