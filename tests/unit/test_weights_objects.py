@@ -37,6 +37,9 @@ class StubJetStream:
             info["options"] = {"link": {"bucket": "b", "name": "other"}}
         return SimpleNamespace(data=json.dumps(info).encode())
 
+    async def stream_info(self, stream, subjects_filter=None):  # the object's one chunk is stored
+        return SimpleNamespace(state=SimpleNamespace(subjects={subjects_filter: 1}))
+
     async def subscribe(self, subject, stream=None, ordered_consumer=False):
         self.subscribed += 1
         chunks = iter(range(0, self.held, 1000))
