@@ -21,6 +21,7 @@ from hearth.services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSe
 from hearth.services.common.identity import Identity, load_identity
 from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.common.nats_urls import server_urls
+from hearth.services.broker.closed_for_good import end_reconnecting_after_close
 from hearth.services.broker.tls import client_ssl_context
 
 # The status of the answer the server sends in place of a reply when nothing subscribes to the subject.
@@ -223,6 +224,7 @@ async def connect_nats(
 
     async def closed() -> None:
         closed_event.set()
+        await end_reconnecting_after_close(nc, settings.close_timeout_s)
 
     async def reconnected() -> None:
         state["told_refused"] = False
