@@ -138,12 +138,36 @@ async def test_a_batch_brings_at_most_max_tokens_but_always_its_first_step():
 
 ROUND_S = 0.1  # how long a session's step takes to come back to the first hop (the rest of the ring)
 GROUP_OFFSET_S = 0.04  # the second group runs this far behind the first
+# An event-loop turn this late (a loaded machine) can bring both groups' steps in together, so that they run as one
+# batch whatever the batcher does: a run that had one shows nothing about keeping groups apart.
+LOOP_LATENESS_LIMIT_S = GROUP_OFFSET_S / 2
+RUNS_FOR_AN_ON_TIME_ONE = 5
+
+
+async def latest_loop_turn(stop: asyncio.Event, tick_s: float = 0.005) -> float:
+    """How late, at most, a sleep of `tick_s` ended until `stop` is set."""
+    loop, latest = asyncio.get_running_loop(), 0.0
+    while not stop.is_set():
+        asked = loop.time()
+        await asyncio.sleep(tick_s)
+        latest = max(latest, loop.time() - asked - tick_s)
+    return latest
 
 
 async def decode_in_two_groups(merge_window_s: float, hop_index: int = 0, rounds: int = 5,
                                max_sessions: int = 8) -> list[list[str]]:
     """Sessions a, b and (GROUP_OFFSET_S later) c, d send `rounds` steps each, every one ROUND_S after their last
-    came back; the batches that ran."""
+    came back; the batches that ran, in a run whose event loop was never more than LOOP_LATENESS_LIMIT_S late (up
+    to RUNS_FOR_AN_ON_TIME_ONE runs; skipped when none was)."""
+    for _ in range(RUNS_FOR_AN_ON_TIME_ONE):
+        batches, lateness_s = await _decode_in_two_groups_once(merge_window_s, hop_index, rounds, max_sessions)
+        if lateness_s <= LOOP_LATENESS_LIMIT_S:
+            return batches
+    pytest.skip(f"the event loop ran late (up to {lateness_s:.3f} s) in every run: the groups' offset was not kept")
+
+
+async def _decode_in_two_groups_once(merge_window_s: float, hop_index: int, rounds: int,
+                                     max_sessions: int) -> tuple[list[list[str]], float]:
     recorder = Recorder()
     batcher = StepBatcher(recorder, window_s=0.002, max_sessions=max_sessions, open_hops=lambda: 4,
                           merge_window_s=merge_window_s)
@@ -154,10 +178,16 @@ async def decode_in_two_groups(merge_window_s: float, hop_index: int = 0, rounds
             await batcher.submit(hop(name, index=hop_index), step())
             await asyncio.sleep(ROUND_S)
 
-    await asyncio.wait_for(asyncio.gather(session("a", 0), session("b", 0), session("c", GROUP_OFFSET_S),
-                                          session("d", GROUP_OFFSET_S)), timeout=10)
+    stop = asyncio.Event()
+    watch = asyncio.ensure_future(latest_loop_turn(stop))
+    try:
+        await asyncio.wait_for(asyncio.gather(session("a", 0), session("b", 0), session("c", GROUP_OFFSET_S),
+                                              session("d", GROUP_OFFSET_S)), timeout=10)
+    finally:
+        stop.set()
+        lateness_s = await watch
     await batcher.close()
-    return recorder.batches
+    return recorder.batches, lateness_s
 
 
 async def test_a_merge_window_joins_sessions_decoding_a_stage_apart_into_one_batch():
