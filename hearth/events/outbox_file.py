@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hearth.events.models import EventEnvelope, decode_event, encode_event
+from hearth.events.newer_hearth import EventOfANewerHearth
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +157,23 @@ class OutboxFile:
         self._lock_file.close()
 
     def _read_left(self) -> list[LeftEvent]:
-        left = []
+        """What a previous process left that this one writes. An event only a newer hearth reads (this member ran a
+        newer hearth on the file, then an older one) stays in the file, unwritten: this hearth cannot write it, and
+        the newer one, run on the file again, writes it then (`kept_for_a_newer_hearth` counts them)."""
+        left, newer = [], []
         for row_id, data in self._connection.execute("SELECT row_id, event FROM events ORDER BY row_id").fetchall():
             try:
                 left.append(LeftEvent(row_id, decode_event(data)))
+            except EventOfANewerHearth as refusal:
+                newer.append(refusal.newer.label)
             except ValueError as error:  # pydantic's ValidationError too: not an event this version can write
                 log.error("event outbox %s: row %d is not an event (%s); dropped", self.path, row_id, error)
                 self.remove(row_id)
+        self.kept_for_a_newer_hearth = len(newer)
+        if newer:
+            log.warning("event outbox %s: %d event(s) a newer hearth left (%s) kept in the file unwritten: this hearth "
+                        "cannot write them; run the newer hearth again to store them", self.path, len(newer),
+                        ", ".join(sorted(set(newer))))
         return left
 
 

@@ -144,12 +144,39 @@ async def test_a_row_that_is_not_an_event_is_dropped_and_the_rest_written(tmp_pa
     file = await claim(tmp_path)
     kept = withdrawn("s1")
     file.append(kept)
-    file._connection.execute("INSERT INTO events (event) VALUES (?)", (json.dumps({"type": "no.such"}).encode(),))
+    file._connection.execute("INSERT INTO events (event) VALUES (?)", (json.dumps({"type": "not a type"}).encode(),))
     file.close()
 
     reopened = await claim(tmp_path)
     assert [left.event.event_id for left in reopened.left] == [kept.event_id]
     assert reopened.count() == 1
+    reopened.close()
+
+
+async def test_a_newer_hearths_event_left_in_the_file_is_kept_unwritten_for_the_newer_hearth(tmp_path, caplog):
+    # The member ran a newer hearth on this file, then went back to this one: the newer one's events are not this
+    # hearth's to write, nor to drop.
+    file = await claim(tmp_path)
+    written_by_this_hearth = withdrawn("s1")
+    file.append(written_by_this_hearth)
+    newer = {**json.loads(withdrawn("s2").model_dump_json()), "type": "shard.rebalanced"}
+    file._connection.execute("INSERT INTO events (event) VALUES (?)", (json.dumps(newer).encode(),))
+    file.close()
+
+    broker = RecordingBroker()
+    older = _OutboxLookingInTheRecording(broker, max_queued=8, retry_wait_s=0.01)
+    older.start(await claim(tmp_path))
+    assert await older.flush(timeout_s=5)
+    await older.stop(timeout_s=1)
+    assert broker.msg_ids == [written_by_this_hearth.event_id]
+    assert older.file.kept_for_a_newer_hearth == 1
+    assert any("shard.rebalanced" in record.getMessage() and "newer hearth" in record.getMessage()
+               for record in caplog.records)
+
+    reopened = await claim(tmp_path)  # what the newer hearth finds when it runs on the file again
+    assert reopened.count() == 1 and reopened.kept_for_a_newer_hearth == 1
+    assert [json.loads(data)["type"] for (data,) in reopened._connection.execute("SELECT event FROM events")] == \
+        ["shard.rebalanced"]
     reopened.close()
 
 
