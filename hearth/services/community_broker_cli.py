@@ -4,6 +4,7 @@ the event streams (`streams`); hearth/services/community_cli.py registers them."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -41,13 +42,23 @@ def tls_command(
     host: Annotated[list[str], typer.Option("--host", help="A name or address the broker is reached by "
                                             "(repeat); e.g. --host nats --host 192.168.1.10.")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    replace: Annotated[bool, typer.Option("--replace", help="DIR/tls holds a CA already (its certificates end soon, "
+                                          "or a key leaked): move it aside to DIR/tls.replaced-<time> and make a new "
+                                          "one.")] = False,
 ) -> None:
     """Make a small certificate authority in DIR/tls: a broker certificate for the given hosts and one client
     certificate for the members (for a LAN without a CA of its own; every file mode 0600, the folder 0700)."""
     from hearth.services.broker.tls import TlsConfigError, write_throwaway_ca
 
     if (directory / "tls" / "ca.pem").exists():
-        fail(f"{directory / 'tls'} already holds a CA; not replacing it")
+        if not replace:
+            fail(f"{directory / 'tls'} already holds a CA; not replacing it (--replace moves it aside)")
+        aside = directory / f"tls.replaced-{time.strftime('%Y%m%dT%H%M%S')}"
+        try:
+            (directory / "tls").rename(aside)
+        except OSError as error:
+            fail(f"cannot move {directory / 'tls'} aside: {error.strerror}")
+        typer.echo(f"moved the previous CA to {aside}", err=True)
     try:
         files = write_throwaway_ca(directory / "tls", tuple(host), validity_days=tls_validity_days)
     except TlsConfigError as error:

@@ -69,7 +69,8 @@ def test_a_callers_doctor_passes_and_says_no_orchestrator_answers(community_brok
 
 def test_a_tls_broker_whose_certificate_another_ca_signed_fails_the_login_naming_the_ca_setting(tmp_path,
                                                                                                    monkeypatch):
-    brokers, ours = write_throwaway_ca(tmp_path / "broker-ca"), write_throwaway_ca(tmp_path / "our-ca")
+    brokers = write_throwaway_ca(tmp_path / "broker-ca")
+    ours = write_throwaway_ca(tmp_path / "our-ca", validity_days=365)
     monkeypatch.setenv("HEARTH_NATS__TLS_CA_FILE", str(ours.ca_file))
     monkeypatch.setenv("HEARTH_NATS__CONNECT_TIMEOUT_S", "1")
     with EmbeddedNatsServer(store_dir=tmp_path / "nats", tls_block=brokers.server_block()) as server:

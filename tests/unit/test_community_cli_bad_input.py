@@ -114,3 +114,20 @@ def test_tls_names_every_file_it_wrote_and_which_ones_go_where(community):
     for name in ("ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem"):
         assert str(tls / name) in said
     assert "tls_ca_file" in said and "tls_cert_file" in said and "tls_key_file" in said
+
+
+def test_tls_replaces_a_ca_only_when_asked_and_keeps_the_previous_one_aside(community):
+    tls = community.directory / "tls"
+    assert CliRunner().invoke(community_app, ["tls", "--host", "127.0.0.1", "--dir", str(community.directory)]
+                              ).exit_code == 0
+    first_ca = (tls / "ca.pem").read_bytes()
+    refused_in_one_line(["tls", "--host", "127.0.0.1", "--dir", str(community.directory)], "already holds a CA",
+                        "--replace")
+    assert (tls / "ca.pem").read_bytes() == first_ca
+
+    replaced = CliRunner().invoke(community_app, ["tls", "--host", "127.0.0.1", "--dir", str(community.directory),
+                                                  "--replace"])
+    assert replaced.exit_code == 0, replaced.output
+    assert (tls / "ca.pem").read_bytes() != first_ca
+    [aside] = community.directory.glob("tls.replaced-*")
+    assert (aside / "ca.pem").read_bytes() == first_ca

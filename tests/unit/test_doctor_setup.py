@@ -4,6 +4,7 @@ from real files in a test folder; and the report's lines and exit code."""
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from hearth.services.doctor.setup_checks import (
     low_disk_fail_bytes,
     low_disk_warn_bytes,
     member_checks,
+    certificate_dates_check,
     tls_check,
 )
 from hearth.services.gateway.keys import create_api_key
@@ -135,7 +137,7 @@ def test_the_key_is_found_in_the_community_folder_by_name(community):
 
 
 def test_tls_files_that_load_pass_and_a_certificate_with_another_key_fails(tmp_path):
-    files = write_throwaway_ca(tmp_path / "tls")
+    files = write_throwaway_ca(tmp_path / "tls", validity_days=365)
     assert tls_check(NatsSettings()).verdict == "ok"
     good = tls_check(NatsSettings(tls_ca_file=files.ca_file, tls_cert_file=files.client_cert_file,
                                   tls_key_file=files.client_key_file))
@@ -145,6 +147,23 @@ def test_tls_files_that_load_pass_and_a_certificate_with_another_key_fails(tmp_p
     assert mismatched.verdict == "fail" and "cannot use the TLS files" in mismatched.detail
     assert tls_check(NatsSettings(tls_cert_file=files.client_cert_file)).verdict == "fail"
     assert tls_check(NatsSettings(tls_ca_file=tmp_path / "missing.pem")).verdict == "fail"
+
+
+def test_tls_certificates_that_end_soon_warn_and_ended_or_not_begun_ones_fail(tmp_path):
+    files = write_throwaway_ca(tmp_path / "tls", validity_days=90)
+    chosen = [files.ca_file, files.client_cert_file]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    assert certificate_dates_check(chosen, "loads", now).verdict == "ok"
+    soon = certificate_dates_check(chosen, "loads", now + datetime.timedelta(days=80))
+    assert soon.verdict == "warn" and "days from now" in soon.detail and "--replace" in soon.fix
+    ended = certificate_dates_check(chosen, "loads", now + datetime.timedelta(days=91))
+    assert ended.verdict == "fail" and "ended on" in ended.detail
+    early = certificate_dates_check(chosen, "loads", now - datetime.timedelta(days=2))  # a clock two days behind
+    assert early.verdict == "fail" and "after this machine's clock" in early.detail
+    # The throwaway CA of a demo (7 days) says so at once, through the check the command runs.
+    short = write_throwaway_ca(tmp_path / "short")
+    assert tls_check(NatsSettings(tls_ca_file=short.ca_file, tls_cert_file=short.client_cert_file,
+                                  tls_key_file=short.client_key_file)).verdict == "warn"
 
 
 @pytest.mark.parametrize("free,verdict", [(10 * GiB, "ok"), (low_disk_warn_bytes - 1, "warn"),

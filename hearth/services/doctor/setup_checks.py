@@ -4,6 +4,7 @@ through the functions the commands themselves load these files with."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,11 @@ low_disk_fail_bytes = 64 * MiB
 # The roles that may run without a roster (they go by their key file's name): only callers, which check no one.
 ROLES_WITHOUT_ROSTER: tuple[DoctorRole, ...] = ("client",)
 ROSTER_FIX = "put the community's current roster.json beside the key's keys/ folder, or set [nats] roster_file"
+# A TLS certificate that ends within this many days is said to end soon: time to have the steward issue new ones.
+certificate_warning_days = 30
+CERTIFICATES_FIX = ("ask the steward for new TLS files (`hearth community tls --replace --host ...` makes them; the "
+                    "broker is restarted on its new certificate) and copy them where [nats] tls_ca_file, "
+                    "tls_cert_file and tls_key_file point")
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,42 @@ def tls_check(nats: NatsSettings) -> CheckResult:
                                        "the steward and set [nats] tls_ca_file, tls_cert_file and tls_key_file to "
                                        "them")
     client = f"; client certificate {nats.tls_cert_file} matches its key" if nats.tls_cert_file else ""
-    return ok("tls", f"CA {nats.tls_ca_file} loads{client}")
+    return certificate_dates_check([path for path in (nats.tls_ca_file, nats.tls_cert_file) if path is not None],
+                                   f"CA {nats.tls_ca_file} loads{client}")
+
+
+def certificate_dates_check(files: list[Path], loaded: str, now: datetime.datetime | None = None) -> CheckResult:
+    """The TLS check's verdict once `files` loaded (`loaded` says so): fail when a certificate in them has ended or
+    has not begun (this machine's clock, or the files, are wrong: every TLS handshake fails), warn when one ends
+    within `certificate_warning_days`."""
+    from cryptography import x509
+
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    certificates = []
+    for path in files:
+        try:
+            certificates += [(path, certificate) for certificate in x509.load_pem_x509_certificates(path.read_bytes())]
+        except (OSError, ValueError):  # loaded by ssl all the same (a format it reads and cryptography does not)
+            continue
+    if not certificates:
+        return ok("tls", loaded)
+    path, first_to_end = min(certificates, key=lambda found: found[1].not_valid_after_utc)
+    ends = first_to_end.not_valid_after_utc
+    not_begun = [(path, certificate) for path, certificate in certificates if certificate.not_valid_before_utc > now]
+    if ends <= now:
+        return fail("tls", f"the certificate in {path} ended on {ends:%Y-%m-%d %H:%M} UTC: every TLS handshake with "
+                           "it fails", CERTIFICATES_FIX)
+    if not_begun:
+        path, certificate = not_begun[0]
+        return fail("tls", f"the certificate in {path} begins on {certificate.not_valid_before_utc:%Y-%m-%d %H:%M} "
+                           f"UTC, after this machine's clock ({now:%Y-%m-%d %H:%M} UTC): every TLS handshake with it "
+                           "fails",
+                    "set this machine's clock right (NTP), or ask the steward for the current tls/ files")
+    days_left = (ends - now).days
+    if days_left < certificate_warning_days:
+        return warn("tls", f"{loaded}; the certificate in {path} ends on {ends:%Y-%m-%d} ({days_left} days from now)",
+                    CERTIFICATES_FIX)
+    return ok("tls", f"{loaded}; the first certificate to end does on {ends:%Y-%m-%d}")
 
 
 def disk_checks(folders: Iterable[Path], free_of: Callable[[Path], int] = free_bytes) -> list[CheckResult]:
