@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
-from hearth.services.broker.connection import connect_nats
+from hearth.services.broker.connection import connect_nats, flush_ordered
 from hearth.services.gateway.keys import create_api_key
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 
@@ -138,12 +138,12 @@ async def test_junk_on_a_calls_inbox_is_skipped_and_the_call_completes(mesh, gat
         if message.reply.startswith("_INBOX.gateway.") and not injected.is_set():
             for junk in JUNK:
                 await nc.publish(message.reply, junk)
-            await nc.flush()
+            await flush_ordered(nc)
             injected.set()
 
     try:
         await nc.subscribe(CHAT_REQUEST_SUBJECT, cb=inject)
-        await nc.flush()
+        await flush_ordered(nc)
         status, _, answer = await asyncio.to_thread(post, gateway.ready_file.read_text(), chat_body(max_tokens=32),
                                                     mesh.keys["alice"])
         assert injected.is_set()

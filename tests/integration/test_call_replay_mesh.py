@@ -14,6 +14,7 @@ import nats
 import pytest
 from nats.js.errors import APIError
 
+from hearth.services.broker.connection import flush_ordered
 from hearth.events.streams import StreamSetup
 from hearth.protocol.chat import ChatRequest
 from hearth.protocol.chat_frames import DoneFrame, Usage, decode_frame
@@ -78,7 +79,7 @@ async def test_a_signed_call_replayed_to_another_orchestrator_is_refused(nats_se
         captured = SimpleNamespace(subject=CHAT_REQUEST_SUBJECT, reply=inbox, data=body,
                                    headers=signed_call_headers(alice, CHAT_REQUEST_SUBJECT, inbox, body))
         subscription = await caller.subscribe(inbox)
-        await caller.flush()
+        await flush_ordered(caller)
         await asyncio.wait_for(first._serve(captured), FRAME_WAIT_S)
         assert [frame.type for frame in await frames_until_final(subscription)] == ["done"]
         # The same call as it went over the wire, re-published by a member with publish rights on the subject: the

@@ -14,6 +14,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from hearth.services.broker.connection import flush_ordered
 from hearth.protocol.chat import ChatRequest
 from hearth.protocol.chat_frames import max_withdrawals_per_choice
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
@@ -41,7 +42,7 @@ async def hearth_chat_against(nats_url: str, frames_of, max_tokens: int) -> subp
 
     try:
         await hostile.subscribe(CHAT_REQUEST_SUBJECT, queue="hearth-orchestrators", cb=answer)
-        await hostile.flush()
+        await flush_ordered(hostile)
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("HEARTH_")}, "HEARTH_NATS__INSECURE": "1"}
         completed = await asyncio.to_thread(
             subprocess.run, [HEARTH, "chat", "--nats", nats_url, "--max-tokens", str(max_tokens), "hello"],
@@ -80,7 +81,7 @@ async def _answering_without_end(nc) -> list[dict]:
             await nc.publish(msg.reply, json.dumps(frame).encode())
 
     await nc.subscribe(CHAT_REQUEST_SUBJECT, queue="hearth-orchestrators", cb=answer)
-    await nc.flush()
+    await flush_ordered(nc)
     return requests
 
 
@@ -176,7 +177,7 @@ async def test_hearth_bench_leaves_withdrawn_tokens_out_of_a_generation(nats_url
     client = await nats.connect(nats_url)
     try:
         await scripted.subscribe(CHAT_REQUEST_SUBJECT, queue="hearth-orchestrators", cb=answer)
-        await scripted.flush()
+        await flush_ordered(scripted)
         timing = await pipeline_generation(client, "scripted", "hello", 2)
     finally:
         await client.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from hearth.services.broker.connection import flush_ordered
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
 
 pytestmark = pytest.mark.integration
@@ -25,7 +26,7 @@ async def test_hearth_chat_gives_up_on_a_silent_orchestrator_after_the_configure
     silent = await nats.connect(nats_url)
     try:
         await silent.subscribe(CHAT_REQUEST_SUBJECT, queue="hearth-orchestrators")  # takes every call, answers none
-        await silent.flush()
+        await flush_ordered(silent)
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("HEARTH_")}, "HEARTH_NATS__INSECURE": "1"}
         completed = await asyncio.to_thread(
             subprocess.run, [HEARTH, "--config", str(config), "chat", "--nats", nats_url, "hello"],

@@ -16,7 +16,7 @@ from hearth.events.consume import read_stream
 from hearth.events.models import ShardHeartbeat
 from hearth.events.streams import consumer_inactive_limit_s
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
-from hearth.services.broker.connection import connect_nats
+from hearth.services.broker.connection import connect_nats, flush_ordered
 from hearth.services.broker.consumer_sweep import (
     ConsumerSweeper,
     listed_consumers,
@@ -87,7 +87,7 @@ async def test_a_reader_pushing_a_stream_onto_another_subject_is_swept_and_its_o
             pushed.set()
 
         await orch.subscribe(CHAT_REQUEST_SUBJECT, cb=on_request)
-        await orch.flush()
+        await flush_ordered(orch)
         js = eve.jetstream()
         # The broker lets eve create consumers on the streams she reads, whatever they ask for ...
         await js.add_consumer(SHARDS_STREAM, ConsumerConfig(name="pushes-elsewhere", ack_policy=AckPolicy.NONE,

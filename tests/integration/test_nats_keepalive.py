@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from hearth.services.broker.cluster import EmbeddedNatsCluster
-from hearth.services.broker.connection import connect_nats
+from hearth.services.broker.connection import connect_nats, flush_ordered
 from hearth.services.common.config import NatsSettings, load_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -71,9 +71,9 @@ async def test_a_client_on_a_stopped_node_reconnects_to_another_and_messages_flo
                 await echoed.put(msg.data)
 
             await client.subscribe(SUBJECT, cb=on_message)
-            await client.flush()
+            await flush_ordered(client)
             await peer.subscribe(ECHO_SUBJECT, cb=on_echo)
-            await peer.flush()
+            await flush_ordered(peer)
             await published_until_received(peer, SUBJECT, b"before", received)
 
             os.kill(stopped.pid, signal.SIGSTOP)

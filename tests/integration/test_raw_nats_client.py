@@ -15,7 +15,7 @@ import nats
 import pytest
 
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
-from hearth.services.broker.connection import connect_nats
+from hearth.services.broker.connection import connect_nats, flush_ordered
 from hearth.services.common.call_signing import signed_by
 from hearth.trust.keys import MemberKey
 from tests.scripted_orchestrators import ScriptedOrchestrators, done
@@ -91,7 +91,7 @@ async def test_cancelling_leaves_the_inbox_so_the_orchestrator_hears_no_responde
             await orchestrator.publish(msg.reply, json.dumps(token(seq, text)).encode())
 
     await orchestrator.subscribe(CHAT_REQUEST_SUBJECT, queue="hearth-orchestrators", cb=answer)
-    await orchestrator.flush()
+    await flush_ordered(orchestrator)
     client = await nats.connect(nats_url)
     out = io.StringIO()
     try:

@@ -13,7 +13,7 @@ import pytest
 
 from hearth.protocol.control import ShardStat, StatShard
 from hearth.protocol.subjects import EVENTS_PREFIX
-from hearth.services.broker.connection import connect_nats
+from hearth.services.broker.connection import connect_nats, flush_ordered
 from hearth.services.common.config import load_settings
 from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.shard.compute import ShardCompute
@@ -33,7 +33,7 @@ async def test_a_second_process_under_a_served_shard_id_refuses_to_start(nats_se
             shard_events.append(json.loads(msg.data)["type"])
 
         await first.client.subscribe(f"{EVENTS_PREFIX}.shard.>", cb=on_event)
-        await first.client.flush()
+        await flush_ordered(first.client)
         twin_nc = await connect_nats(nats_server.url, name="twin-shard", settings=settings.nats)
         twin = ShardServer(twin_nc, ShardCompute(first.runner, "tiny-0-1", settings.shard), first.server.identity,
                            settings)
@@ -201,7 +201,7 @@ async def test_a_process_cut_off_while_another_started_asks_again_on_reconnectin
         try:
             await earlier.start()
             await earlier._control_sub.unsubscribe()  # cut off: what comes on its control subject is lost to it
-            await connections[0].flush()
+            await flush_ordered(connections[0])
             await newcomer.start()
             earlier._control_sub = await connections[0].subscribe(first.subject, cb=earlier._on_control)
             earlier.request_readvertise()  # as on reconnecting

@@ -28,7 +28,7 @@ from hearth.events.cancellation import keeping_cancellation
 from hearth.events.signing import RosterFile
 from hearth.events.streams import ALL_STREAMS, consumer_inactive_limit_s, weights_consumer_inactive_limit_s
 from hearth.services.broker.connection import (close_quietly, connect_nats, connected_keeping_cancellation,
-                                               connection_identity)
+                                               connection_identity, flush_ordered)
 from hearth.services.broker.permissions import (
     JS_API,
     WEIGHTS_STREAM,
@@ -279,7 +279,8 @@ class ConsumerSweeper:
                             connect_nats(self.settings.url, name="hearth consumer sweep", settings=self.settings),
                             self.settings.close_timeout_s)
                         await connection.subscribe(API_AUDIT_ADVISORIES, cb=api_audited)
-                        await keeping_cancellation(connection.flush(api_timeout_s))
+                        # Ordered: nats-py's own flush can be answered before the SUB reaches the broker.
+                        await keeping_cancellation(flush_ordered(connection, api_timeout_s))
                         self.watching.set()
                     created.clear()
                     for swept in await sweep_consumers(connection, self.roster_file.current(),
