@@ -36,7 +36,7 @@ from .ollama_models import served_model_id
 from .head import Head
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
     check_quantizable, dense_linears, head_quantization, held_as_stored, parse_quantization, quantize_linears
-from .heap import release_freed_heap
+from .heap import bound_arena_tops, release_freed_heap
 from .row_attention import use_row_attention
 from .runner import LayerRangeRunner
 from .sessions import EvictedSession
@@ -117,6 +117,8 @@ def _open_skeleton(
     adapter = adapter_for(_RawConfigView(raw_config))
     config = read_config(path)
     compute_device = resolve_device(device if device is not None else "cpu")
+    if compute_device.type == "cpu":  # before any weight is read: what its arenas keep freed stays small (heap.py)
+        bound_arena_tops()
     compute_dtype = resolve_dtype(dtype, getattr(config, "dtype", None))
     skeleton_kwargs = {"dtype": compute_dtype}
     if attn_implementation is not None:

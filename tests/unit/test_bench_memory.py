@@ -3,13 +3,17 @@ needs, and shown in the text report beside them."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from hearth.services.devtools.bench.process_stats import resident_memory
+from hearth.services.common.hearth_files import SOURCES_ROOT
+from hearth.services.devtools.bench.process_stats import SHARD_IMPORTS_PROBE, resident_memory
+from hearth.services.devtools.prefork import HEARTH_MODULE
 from hearth.services.devtools.bench.report import (
     BenchReport,
     ImportsMemory,
@@ -38,6 +42,17 @@ def test_resident_memory_grows_with_what_the_process_allocates():
     assert after.rss_mb == pytest.approx(after.anonymous_mb + after.file_mb, abs=1.0)
     assert after.peak_rss_mb >= after.rss_mb > 0
     del ballast
+
+
+def test_the_imports_baseline_holds_what_a_shard_process_runs_on():
+    # A shard runs as `python -m <HEARTH_MODULE> shard` on uvloop's loop: a baseline without the CLI's modules (some
+    # 3 MiB) or uvloop would count them as its layers'.
+    listing = SHARD_IMPORTS_PROBE + "\nimport sys\nprint(json.dumps(sorted(sys.modules)))"
+    finished = subprocess.run([sys.executable, "-c", listing], capture_output=True, text=True, cwd=SOURCES_ROOT,
+                              timeout=120, check=True)
+    modules = set(json.loads(finished.stdout.strip().splitlines()[-1]))
+    assert {HEARTH_MODULE, "hearth.services.shard.main", "transformers.models.llama.modeling_llama"} <= modules
+    assert "uvloop" in modules or importlib.util.find_spec("uvloop") is None
 
 
 def test_shard_figures_gain_their_processes_memory_and_a_gone_process_keeps_its_advert():

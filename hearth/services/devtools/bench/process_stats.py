@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hearth.services.common.hearth_files import SOURCES_ROOT
+from hearth.services.devtools.prefork import HEARTH_MODULE
 
 _clock_ticks_per_s = os.sysconf("SC_CLK_TCK")
 
@@ -39,11 +40,16 @@ def own_cpu_seconds() -> float:
     return times.user + times.system
 
 
-# What a shard process imports before it reads a weight: the baseline its RSS holds with no layer loaded.
-_SHARD_IMPORTS = ("import torch, transformers.models.llama.modeling_llama, hearth.inference.loading; "
-                  "import hearth.services.shard.main; import dataclasses, json, os; "
-                  "from hearth.services.devtools.bench.process_stats import resident_memory; "
-                  "print(json.dumps(dataclasses.asdict(resident_memory(os.getpid()))))")
+# What a shard process imports before it reads a weight: the baseline its RSS holds with no layer loaded. A shard runs
+# as `python -m <HEARTH_MODULE> shard`, so the CLI's modules are part of it, and on uvloop's event loop where uvloop is
+# installed (hearth/services/common/lifecycle.py).
+SHARD_PROCESS_MODULES = ("torch", "transformers.models.llama.modeling_llama", "hearth.inference.loading", HEARTH_MODULE,
+                         "hearth.services.shard.main")
+SHARD_IMPORTS_PROBE = (f"import {', '.join(SHARD_PROCESS_MODULES)}\n"
+                       "try:\n    import uvloop\nexcept ImportError:\n    pass\n"
+                       "import dataclasses, json, os\n"
+                       "from hearth.services.devtools.bench.process_stats import resident_memory\n"
+                       "print(json.dumps(dataclasses.asdict(resident_memory(os.getpid()))))")
 baseline_probe_timeout_s = 120.0
 
 
@@ -78,7 +84,7 @@ def shard_imports_memory(env: dict[str, str] | None = None) -> ResidentMemory | 
     of a shard's RSS that is not its layers (None where it cannot be measured)."""
     repo_root = SOURCES_ROOT
     try:
-        finished = subprocess.run([sys.executable, "-c", _SHARD_IMPORTS], capture_output=True, text=True,
+        finished = subprocess.run([sys.executable, "-c", SHARD_IMPORTS_PROBE], capture_output=True, text=True,
                                   cwd=repo_root, env={**os.environ, **(env or {})}, timeout=baseline_probe_timeout_s)
         if finished.returncode != 0:
             return None
