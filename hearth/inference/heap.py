@@ -9,9 +9,9 @@ session's caches are dropped (BENCHMARKS.md, "Quantized shard kernels").
 What `malloc_trim` leaves: the free memory at the top of each thread's arena (it trims only the main arena's top),
 where a shard's compute thread holds its weights and serves its steps, and a worker thread reads a checkpoint to
 hash it. glibc hands a thread's top back only from free(), once it exceeds the trim threshold, which its dynamic
-adjustment raises to twice the largest block freed (up to 64 MiB): so a process holding a model on the CPU fixes
-the thresholds first (`bound_arena_tops`). Nothing here runs where the C library has no ``malloc_trim`` (not Linux,
-or not glibc).
+adjustment raises to twice the largest block freed (up to 64 MiB): so a process fixes the thresholds once it has
+loaded a model's weights on the CPU (`bound_arena_tops`, from hearth/inference/loading.py). Nothing here runs where
+the C library is not glibc (not Linux, or musl).
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ def release_freed_heap() -> None:
 def bound_arena_tops() -> None:
     """Fix glibc's mmap and trim thresholds (MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES) for this process, so that
     the free top of every arena, a thread's included, stays within TRIM_THRESHOLD_BYTES; idempotent. Fixing them
-    ends glibc's dynamic adjustment: the mmap threshold is set where that adjustment would take it."""
+    ends glibc's dynamic adjustment: the mmap threshold is set where that adjustment would take it. Called once a
+    model's weights are loaded, not before: loading under the dynamic thresholds reuses the quantization's
+    temporaries instead of faulting them in again (bounded from the start, loading a layer range took half as long
+    again; BENCHMARKS.md "Quantized shard kernels")."""
     libc = _glibc()
     if libc is not None:
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)

@@ -117,8 +117,6 @@ def _open_skeleton(
     adapter = adapter_for(_RawConfigView(raw_config))
     config = read_config(path)
     compute_device = resolve_device(device if device is not None else "cpu")
-    if compute_device.type == "cpu":  # before any weight is read: what its arenas keep freed stays small (heap.py)
-        bound_arena_tops()
     compute_dtype = resolve_dtype(dtype, getattr(config, "dtype", None))
     skeleton_kwargs = {"dtype": compute_dtype}
     if attn_implementation is not None:
@@ -262,6 +260,8 @@ def load_layer_range(
                     "instead of %s", lo, hi, skeleton.info.model_id, held_as_stored_count, scheme.label)
     use_cpu_linear_kernel(layers.values(), cpu_linear_kernel, skeleton.device,
                           next(layers[lo].parameters()).dtype)
+    if skeleton.device.type == "cpu":  # only once the weights are in (heap.bound_arena_tops says why)
+        bound_arena_tops()
     # The rotary module only holds inverse frequencies derived from the config: build it for real.
     rotary_embedding = type(decoder.rotary_emb)(config=skeleton.config).to(skeleton.device)
     logger.info(
@@ -350,6 +350,8 @@ def load_head(
         lm_head = QuantizedLinear(lm_head, head_quantization(skeleton.device))
         skeleton.model.set_output_embeddings(lm_head)
         release_freed_heap()
+    if skeleton.device.type == "cpu":
+        bound_arena_tops()
     tokenizer = _load_tokenizer(skeleton.info.path) if load_tokenizer else None
     eos_token_ids = _eos_token_ids(skeleton.info.path, skeleton.config, tokenizer)
     if isinstance(skeleton.checkpoint, GGUFCheckpoint):

@@ -65,19 +65,22 @@ def test_freed_fragments_leave_the_resident_memory_once_released():
     assert figures["freed"] - figures["released"] > 40, figures
 
 
-# A process that has loaded layers on the CPU; then a worker thread reads a file in 8 MiB chunks, as a shard hashes its
-# checkpoint: the chunks come from that thread's arena and, freed, join its top, which glibc's malloc_trim leaves
-# resident (it trims only the main arena's top); a large block freed before had raised the threshold above which
-# free() would hand it back.
+# A process that has loaded layers (or a head) on the CPU; then a worker thread reads a file in 8 MiB chunks, as a
+# shard hashes its checkpoint: the chunks come from that thread's arena and, freed, join its top, which glibc's
+# malloc_trim leaves resident (it trims only the main arena's top); a large block freed before had raised the
+# threshold above which free() would hand it back.
 _THREAD_TOP = """
 import json, sys, threading
-from hearth.inference import load_layer_range
+from hearth.inference import load_head, load_layer_range
 from hearth.inference.heap import release_freed_heap
 def rss_mib():
     for line in open('/proc/self/status'):
         if line.startswith('VmRSS:'):
             return int(line.split()[1]) / 1024
-runner = load_layer_range(sys.argv[1], 0, 0, cache_budget_bytes=1 << 20, session_ttl_s=60.0)
+if sys.argv[2] == "head":
+    loaded = load_head(sys.argv[1], load_tokenizer=False)
+else:
+    loaded = load_layer_range(sys.argv[1], 0, 0, cache_budget_bytes=1 << 20, session_ttl_s=60.0)
 def read_in_chunks():
     large = bytearray(24 << 20)
     del large
@@ -94,9 +97,10 @@ print(json.dumps({"start": start, "freed": freed, "released": rss_mib()}))
 
 
 @pytest.mark.skipif(_malloc_trim() is None, reason="the C library has no malloc_trim (not glibc on Linux)")
-def test_blocks_freed_at_the_top_of_a_threads_arena_leave_the_resident_memory(tiny_model_dir):
-    finished = subprocess.run([sys.executable, "-c", _THREAD_TOP, str(tiny_model_dir("llama"))], capture_output=True,
-                              text=True, timeout=120, check=True)
+@pytest.mark.parametrize("loaded", ["layers", "head"])
+def test_blocks_freed_at_the_top_of_a_threads_arena_leave_the_resident_memory(tiny_model_dir, loaded):
+    finished = subprocess.run([sys.executable, "-c", _THREAD_TOP, str(tiny_model_dir("llama")), loaded],
+                              capture_output=True, text=True, timeout=120, check=True)
     figures = json.loads(finished.stdout.strip().splitlines()[-1])
     assert figures["released"] - figures["start"] < 4, figures
 
