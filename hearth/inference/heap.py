@@ -46,8 +46,7 @@ def bound_arena_tops() -> None:
     the free top of every arena, a thread's included, stays within TRIM_THRESHOLD_BYTES; idempotent. Fixing them
     ends glibc's dynamic adjustment: the mmap threshold is set where that adjustment would take it. Called once a
     model's weights are loaded, not before: loading under the dynamic thresholds reuses the quantization's
-    temporaries instead of faulting them in again (bounded from the start, loading a layer range took half as long
-    again; BENCHMARKS.md "Quantized shard kernels")."""
+    temporaries instead of handing them back and faulting them in again at each layer."""
     libc = _glibc()
     if libc is not None:
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
