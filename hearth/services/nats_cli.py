@@ -77,7 +77,31 @@ def _tls_block(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None)
         return None
     from hearth.services.broker.tls import server_tls_block
 
+    _check_certificate_dates([tls_cert, *([tls_ca] if tls_ca else [])])
     return server_tls_block(tls_cert, tls_key, tls_ca)
+
+
+def _check_certificate_dates(files: list[Path]) -> None:
+    """Refuse a broker certificate that has ended or not begun (every member's handshake would fail, each saying
+    only that the handshake failed); warn of one that ends soon."""
+    import datetime
+
+    from hearth.services.broker.tls import certificate_dates, certificate_warning_days
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    dates = certificate_dates(files, now)
+    renew = "make new ones: hearth community tls --replace --host HOST ..."
+    if dates is None:
+        return
+    if dates.ends <= now:
+        _fail(f"the certificate in {dates.first_to_end} ended on {dates.ends:%Y-%m-%d %H:%M} UTC: every member's "
+              f"TLS handshake would fail; {renew}")
+    if dates.not_begun is not None:
+        _fail(f"the certificate in {dates.not_begun[0]} begins on {dates.not_begun[1]:%Y-%m-%d %H:%M} UTC, after this "
+              "machine's clock: set the clock right (NTP) or use the current certificates")
+    if dates.days_left(now) < certificate_warning_days:
+        typer.echo(f"{COMMAND}: warning: the certificate in {dates.first_to_end} ends on {dates.ends:%Y-%m-%d} "
+                   f"({dates.days_left(now)} days from now); {renew}", err=True)
 
 
 def nats_command(

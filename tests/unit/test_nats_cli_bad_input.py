@@ -1,5 +1,6 @@
 """`hearth nats` refuses ports out of range before nats-server starts (a usage error; before, nats-server started and
-its whole log came back), and a nats-server that exits at start is said in one line: why it said it exited."""
+its whole log came back), and a broker certificate that has ended; a nats-server that exits at start is said in one
+line: why it said it exited."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hearth.services.broker.server import why_it_exited
+from hearth.services.broker.tls import write_throwaway_ca
 from hearth.services.cli import app
 
 
@@ -25,6 +27,17 @@ def test_a_cluster_whose_node_ports_pass_the_last_port_is_refused_in_one_line(tm
     assert result.exit_code == 1, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hearth nats: --cluster 3 numbers its nodes' ports"), lines
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_broker_certificate_that_has_ended_is_refused_in_one_line_before_anything_starts(tmp_path):
+    # Every member's handshake would fail, each saying only that the handshake failed.
+    ended = write_throwaway_ca(tmp_path / "tls", validity_days=0)
+    result = CliRunner().invoke(app, ["nats", "--store", str(tmp_path / "store"), "--tls-cert",
+                                      str(ended.server_cert_file), "--tls-key", str(ended.server_key_file)])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "ended on" in lines[0] and "tls --replace" in lines[0], lines
     assert not (tmp_path / "store").exists()
 
 

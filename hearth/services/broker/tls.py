@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from cryptography import x509
 
 throwaway_validity_days = 7
+# A certificate that ends within this many days is said to end soon (`hearth doctor`, `hearth nats`): time for the
+# steward to make new ones.
+certificate_warning_days = 30
 max_dns_name_chars = 253
 _DNS_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
@@ -42,6 +45,38 @@ def client_ssl_context(ca_file: Path | None, cert_file: Path | None, key_file: P
         raise TlsConfigError(f"cannot use the TLS files: {error}") from None
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     return context
+
+
+@dataclass(frozen=True)
+class CertificateDates:
+    """When the certificates of some PEM files are valid: the first to end (its file and end), and the first found
+    that has not begun yet (None when all have)."""
+
+    first_to_end: Path
+    ends: datetime.datetime
+    not_begun: tuple[Path, datetime.datetime] | None
+
+    def days_left(self, now: datetime.datetime) -> int:
+        return (self.ends - now).days
+
+
+def certificate_dates(files: list[Path], now: datetime.datetime) -> CertificateDates | None:
+    """The validity of every certificate in `files` (PEM) at `now`; None when they hold none that cryptography
+    reads (ssl may still load them: a format it reads and cryptography does not)."""
+    from cryptography import x509
+
+    certificates = []
+    for path in files:
+        try:
+            certificates += [(path, certificate) for certificate in x509.load_pem_x509_certificates(path.read_bytes())]
+        except (OSError, ValueError):
+            continue
+    if not certificates:
+        return None
+    first_path, first = min(certificates, key=lambda found: found[1].not_valid_after_utc)
+    not_begun = next(((path, certificate.not_valid_before_utc) for path, certificate in certificates
+                      if certificate.not_valid_before_utc > now), None)
+    return CertificateDates(first_path, first.not_valid_after_utc, not_begun)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hearth.services.broker.permissions import admitted
 from hearth.services.broker.store_space import MiB, free_bytes
-from hearth.services.broker.tls import TlsConfigError, client_ssl_context
+from hearth.services.broker.tls import TlsConfigError, certificate_dates, certificate_warning_days, client_ssl_context
 from hearth.services.cli_options import NO_CREDENTIALS_FIX, member_refusal
 from hearth.services.common.config import HearthSettings, NatsSettings
 from hearth.services.common.identity import Identity, IdentityError, default_roster_for, load_identity
@@ -27,8 +27,6 @@ low_disk_fail_bytes = 64 * MiB
 # The roles that may run without a roster (they go by their key file's name): only callers, which check no one.
 ROLES_WITHOUT_ROSTER: tuple[DoctorRole, ...] = ("client",)
 ROSTER_FIX = "put the community's current roster.json beside the key's keys/ folder, or set [nats] roster_file"
-# A TLS certificate that ends within this many days is said to end soon: time to have the steward issue new ones.
-certificate_warning_days = 30
 CERTIFICATES_FIX = ("ask the steward for new TLS files (`hearth community tls --replace --host ...` makes them; the "
                     "broker is restarted on its new certificate) and copy them where [nats] tls_ca_file, "
                     "tls_cert_file and tls_key_file point")
@@ -143,34 +141,22 @@ def certificate_dates_check(files: list[Path], loaded: str, now: datetime.dateti
     """The TLS check's verdict once `files` loaded (`loaded` says so): fail when a certificate in them has ended or
     has not begun (this machine's clock, or the files, are wrong: every TLS handshake fails), warn when one ends
     within `certificate_warning_days`."""
-    from cryptography import x509
-
     now = now or datetime.datetime.now(datetime.timezone.utc)
-    certificates = []
-    for path in files:
-        try:
-            certificates += [(path, certificate) for certificate in x509.load_pem_x509_certificates(path.read_bytes())]
-        except (OSError, ValueError):  # loaded by ssl all the same (a format it reads and cryptography does not)
-            continue
-    if not certificates:
+    dates = certificate_dates(files, now)
+    if dates is None:
         return ok("tls", loaded)
-    path, first_to_end = min(certificates, key=lambda found: found[1].not_valid_after_utc)
-    ends = first_to_end.not_valid_after_utc
-    not_begun = [(path, certificate) for path, certificate in certificates if certificate.not_valid_before_utc > now]
-    if ends <= now:
-        return fail("tls", f"the certificate in {path} ended on {ends:%Y-%m-%d %H:%M} UTC: every TLS handshake with "
-                           "it fails", CERTIFICATES_FIX)
-    if not_begun:
-        path, certificate = not_begun[0]
-        return fail("tls", f"the certificate in {path} begins on {certificate.not_valid_before_utc:%Y-%m-%d %H:%M} "
-                           f"UTC, after this machine's clock ({now:%Y-%m-%d %H:%M} UTC): every TLS handshake with it "
-                           "fails",
+    if dates.ends <= now:
+        return fail("tls", f"the certificate in {dates.first_to_end} ended on {dates.ends:%Y-%m-%d %H:%M} UTC: every "
+                           "TLS handshake with it fails", CERTIFICATES_FIX)
+    if dates.not_begun is not None:
+        path, begins = dates.not_begun
+        return fail("tls", f"the certificate in {path} begins on {begins:%Y-%m-%d %H:%M} UTC, after this machine's "
+                           f"clock ({now:%Y-%m-%d %H:%M} UTC): every TLS handshake with it fails",
                     "set this machine's clock right (NTP), or ask the steward for the current tls/ files")
-    days_left = (ends - now).days
-    if days_left < certificate_warning_days:
-        return warn("tls", f"{loaded}; the certificate in {path} ends on {ends:%Y-%m-%d} ({days_left} days from now)",
-                    CERTIFICATES_FIX)
-    return ok("tls", f"{loaded}; the first certificate to end does on {ends:%Y-%m-%d}")
+    if dates.days_left(now) < certificate_warning_days:
+        return warn("tls", f"{loaded}; the certificate in {dates.first_to_end} ends on {dates.ends:%Y-%m-%d} "
+                           f"({dates.days_left(now)} days from now)", CERTIFICATES_FIX)
+    return ok("tls", f"{loaded}; the first certificate to end does on {dates.ends:%Y-%m-%d}")
 
 
 def disk_checks(folders: Iterable[Path], free_of: Callable[[Path], int] = free_bytes) -> list[CheckResult]:
