@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .file_version import file_version
+from .heap import release_freed_heap
 from hearth.formats.gguf_support import is_gguf_file
 
 WEIGHTS_CACHE_DIR_ENV = "HEARTH_CACHE_DIR"
@@ -65,6 +66,7 @@ def weights_sha256(checkpoint_path: str | Path, *, cache_dir: str | Path | None 
     if entry and entry.get("files") == fingerprint:
         return entry["sha256"]
     digest = _digest(files, name_files=not gguf)
+    release_freed_heap()  # on this thread: its arena's top holds the chunks it read (heap.py)
     cache.pop(str(folder), None)
     cache[str(folder)] = {"files": fingerprint, "sha256": digest}
     while len(cache) > WEIGHTS_CACHE_MAX_ENTRIES:
