@@ -48,8 +48,14 @@ def tls_command(
 ) -> None:
     """Make a small certificate authority in DIR/tls: a broker certificate for the given hosts and one client
     certificate for the members (for a LAN without a CA of its own; every file mode 0600, the folder 0700)."""
-    from hearth.services.broker.tls import TlsConfigError, write_throwaway_ca
+    from hearth.services.broker.tls import TlsConfigError, certificate_host_name, write_throwaway_ca
 
+    try:  # before the previous CA is moved aside: a mistyped host leaves it in place
+        for name in host:
+            certificate_host_name(name)
+    except TlsConfigError as error:
+        fail(f"--host: {error}")
+    aside = None
     if (directory / "tls" / "ca.pem").exists():
         if not replace:
             fail(f"{directory / 'tls'} already holds a CA; not replacing it (--replace moves it aside)")
@@ -58,13 +64,15 @@ def tls_command(
             (directory / "tls").rename(aside)
         except OSError as error:
             fail(f"cannot move {directory / 'tls'} aside: {error.strerror}")
-        typer.echo(f"moved the previous CA to {aside}", err=True)
     try:
         files = write_throwaway_ca(directory / "tls", tuple(host), validity_days=tls_validity_days)
     except TlsConfigError as error:
         fail(f"--host: {error}")
     except OSError as error:
-        fail(f"cannot write {directory / 'tls'}: {error.strerror}")
+        kept = f" (the previous CA is in {aside})" if aside is not None else ""
+        fail(f"cannot write {directory / 'tls'}: {error.strerror}{kept}")
+    if aside is not None:
+        typer.echo(f"moved the previous CA to {aside}", err=True)
     typer.echo(f"wrote {files.ca_file}, the broker's {files.server_cert_file} and {files.server_key_file} (for "
                f"{', '.join(host)}; hearth nats --tls-cert, --tls-key, --tls-ca) and the members' "
                f"{files.client_cert_file} and {files.client_key_file}; valid {tls_validity_days} days. Copy "

@@ -123,7 +123,8 @@ def test_tls_replaces_a_ca_only_when_asked_and_keeps_the_previous_one_aside(comm
     first_ca = (tls / "ca.pem").read_bytes()
     refused_in_one_line(["tls", "--host", "127.0.0.1", "--dir", str(community.directory)], "already holds a CA",
                         "--replace")
-    assert (tls / "ca.pem").read_bytes() == first_ca
+    refused_in_one_line(["tls", "--host", "not a host", "--dir", str(community.directory), "--replace"], "--host")
+    assert (tls / "ca.pem").read_bytes() == first_ca and not list(community.directory.glob("tls.replaced-*"))
 
     replaced = CliRunner().invoke(community_app, ["tls", "--host", "127.0.0.1", "--dir", str(community.directory),
                                                   "--replace"])
