@@ -22,7 +22,6 @@ import ctypes
 import ctypes.util
 import functools
 import sys
-from collections.abc import Callable
 
 # Blocks up to this size are served from the arenas and reused without page faults: where glibc's dynamic mmap
 # threshold ends after a large block is freed (its maximum, which mallopt accepts as the highest).
@@ -72,12 +71,6 @@ def bound_arena_tops() -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
         libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
         _bounded = True
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, None where the C library is not glibc."""
-    libc = _glibc()
-    return None if libc is None else libc.malloc_trim
 
 
 @functools.cache

@@ -86,22 +86,20 @@ def _check_certificate_dates(files: list[Path]) -> None:
     only that the handshake failed); warn of one that ends soon."""
     import datetime
 
-    from hearth.services.broker.tls import certificate_dates, certificate_warning_days
+    from hearth.services.broker.tls import certificate_dates
 
     now = datetime.datetime.now(datetime.timezone.utc)
     dates = certificate_dates(files, now)
-    renew = "make new ones: hearth community tls --replace --host HOST ..."
     if dates is None:
         return
-    if dates.ends <= now:
-        _fail(f"the certificate in {dates.first_to_end} ended on {dates.ends:%Y-%m-%d %H:%M} UTC: every member's "
-              f"TLS handshake would fail; {renew}")
-    if dates.not_begun is not None:
-        _fail(f"the certificate in {dates.not_begun[0]} begins on {dates.not_begun[1]:%Y-%m-%d %H:%M} UTC, after this "
-              "machine's clock: set the clock right (NTP) or use the current certificates")
-    if dates.days_left(now) < certificate_warning_days:
-        typer.echo(f"{COMMAND}: warning: the certificate in {dates.first_to_end} ends on {dates.ends:%Y-%m-%d} "
-                   f"({dates.days_left(now)} days from now); {renew}", err=True)
+    state, said = dates.judged(now)
+    renew = "make new ones: hearth community tls --replace --host HOST ..."
+    if state == "ended":
+        _fail(f"{said}: every member's TLS handshake would fail; {renew}")
+    if state == "not_begun":
+        _fail(f"{said}: set the clock right (NTP) or use the current certificates")
+    if state == "ends_soon":
+        typer.echo(f"{COMMAND}: warning: {said}; {renew}", err=True)
 
 
 def nats_command(

@@ -18,7 +18,7 @@ import torch
 
 from hearth.inference import load_head, load_layer_range
 from hearth.inference.compute_thread import COMPUTE_THREAD_NAME
-from hearth.inference.heap import _malloc_trim
+from hearth.inference.heap import _glibc
 from hearth.protocol.control import PrefixBlocks
 from hearth.services.common.config import HearthSettings
 from hearth.services.orchestrator import catalog as orchestrator_catalog
@@ -56,7 +56,7 @@ print(json.dumps({"start": start, "freed": freed, "released": rss_mib()}))
 """
 
 
-@pytest.mark.skipif(_malloc_trim() is None, reason="the C library has no malloc_trim (not glibc on Linux)")
+@pytest.mark.skipif(_glibc() is None, reason="the C library has no malloc_trim (not glibc on Linux)")
 def test_freed_fragments_leave_the_resident_memory_once_released():
     finished = subprocess.run([sys.executable, "-c", _FRAGMENTS], capture_output=True, text=True, timeout=120,
                               check=True)
@@ -98,7 +98,7 @@ print(json.dumps(figures))
 """
 
 
-@pytest.mark.skipif(_malloc_trim() is None, reason="the C library has no malloc_trim (not glibc on Linux)")
+@pytest.mark.skipif(_glibc() is None, reason="the C library has no malloc_trim (not glibc on Linux)")
 @pytest.mark.parametrize("loaded", ["layers", "head"])
 def test_blocks_freed_at_the_top_of_a_threads_arena_leave_the_resident_memory_when_it_releases(tiny_model_dir,
                                                                                                  loaded):

@@ -9,7 +9,7 @@ import re
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from hearth.trust.keys import make_private_folder, write_private_file
 
@@ -47,6 +47,10 @@ def client_ssl_context(ca_file: Path | None, cert_file: Path | None, key_file: P
     return context
 
 
+# What CertificateDates.judged says of a set of certificates.
+CertificateState = Literal["ended", "not_begun", "ends_soon", "valid"]
+
+
 @dataclass(frozen=True)
 class CertificateDates:
     """When the certificates of some PEM files are valid: the first to end (its file and end), and the first found
@@ -56,8 +60,20 @@ class CertificateDates:
     ends: datetime.datetime
     not_begun: tuple[Path, datetime.datetime] | None
 
-    def days_left(self, now: datetime.datetime) -> int:
-        return (self.ends - now).days
+    def judged(self, now: datetime.datetime) -> tuple[CertificateState, str]:
+        """Whether the certificates can be used at `now`, judged by the one that says most (ended, not begun, ending
+        within `certificate_warning_days`), and a clause saying so."""
+        if self.ends <= now:
+            return "ended", f"the certificate in {self.first_to_end} ended on {self.ends:%Y-%m-%d %H:%M} UTC"
+        if self.not_begun is not None:
+            path, begins = self.not_begun
+            return "not_begun", (f"the certificate in {path} begins on {begins:%Y-%m-%d %H:%M} UTC, after this "
+                                 f"machine's clock ({now:%Y-%m-%d %H:%M} UTC)")
+        days_left = (self.ends - now).days
+        if days_left < certificate_warning_days:
+            return "ends_soon", (f"the certificate in {self.first_to_end} ends on {self.ends:%Y-%m-%d} ({days_left} "
+                                 "days from now)")
+        return "valid", f"the first certificate to end does on {self.ends:%Y-%m-%d}"
 
 
 def certificate_dates(files: list[Path], now: datetime.datetime) -> CertificateDates | None:

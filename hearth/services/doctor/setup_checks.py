@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hearth.services.broker.permissions import admitted
 from hearth.services.broker.store_space import MiB, free_bytes
-from hearth.services.broker.tls import TlsConfigError, certificate_dates, certificate_warning_days, client_ssl_context
+from hearth.services.broker.tls import TlsConfigError, certificate_dates, client_ssl_context
 from hearth.services.cli_options import NO_CREDENTIALS_FIX, member_refusal
 from hearth.services.common.config import HearthSettings, NatsSettings
 from hearth.services.common.identity import Identity, IdentityError, default_roster_for, load_identity
@@ -140,23 +140,19 @@ def tls_check(nats: NatsSettings) -> CheckResult:
 def certificate_dates_check(files: list[Path], loaded: str, now: datetime.datetime | None = None) -> CheckResult:
     """The TLS check's verdict once `files` loaded (`loaded` says so): fail when a certificate in them has ended or
     has not begun (this machine's clock, or the files, are wrong: every TLS handshake fails), warn when one ends
-    within `certificate_warning_days`."""
+    within `certificate_warning_days` (broker/tls.py)."""
     now = now or datetime.datetime.now(datetime.timezone.utc)
     dates = certificate_dates(files, now)
     if dates is None:
         return ok("tls", loaded)
-    if dates.ends <= now:
-        return fail("tls", f"the certificate in {dates.first_to_end} ended on {dates.ends:%Y-%m-%d %H:%M} UTC: every "
-                           "TLS handshake with it fails", CERTIFICATES_FIX)
-    if dates.not_begun is not None:
-        path, begins = dates.not_begun
-        return fail("tls", f"the certificate in {path} begins on {begins:%Y-%m-%d %H:%M} UTC, after this machine's "
-                           f"clock ({now:%Y-%m-%d %H:%M} UTC): every TLS handshake with it fails",
+    state, said = dates.judged(now)
+    if state == "ended":
+        return fail("tls", f"{said}: every TLS handshake with it fails", CERTIFICATES_FIX)
+    if state == "not_begun":
+        return fail("tls", f"{said}: every TLS handshake with it fails",
                     "set this machine's clock right (NTP), or ask the steward for the current tls/ files")
-    if dates.days_left(now) < certificate_warning_days:
-        return warn("tls", f"{loaded}; the certificate in {dates.first_to_end} ends on {dates.ends:%Y-%m-%d} "
-                           f"({dates.days_left(now)} days from now)", CERTIFICATES_FIX)
-    return ok("tls", f"{loaded}; the first certificate to end does on {dates.ends:%Y-%m-%d}")
+    return (warn("tls", f"{loaded}; {said}", CERTIFICATES_FIX) if state == "ends_soon"
+            else ok("tls", f"{loaded}; {said}"))
 
 
 def disk_checks(folders: Iterable[Path], free_of: Callable[[Path], int] = free_bytes) -> list[CheckResult]:
