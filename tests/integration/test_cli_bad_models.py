@@ -1,8 +1,8 @@
 """Models and schemes a command cannot use end it with one line naming what and why, no traceback, as real
 processes: an orchestrator's --preload that does not exist, is a folder holding several GGUFs or a `store:NAME`
-nobody published, and its --local-model that does not load (against a real broker); `hearth bench --model` a GGUF,
-which its transformers baseline cannot load; and a scheme or device the bench's baseline worker cannot load the
-model in."""
+nobody published, and its --local-model that does not load (against a real broker); `hearth bench --model` a GGUF
+of an architecture hearth does not serve; and a scheme or device the bench's baseline worker cannot load the model
+in."""
 
 from __future__ import annotations
 
@@ -84,15 +84,15 @@ def small_gguf(path: Path, architecture: str = "llama") -> Path:
     return path
 
 
-def test_bench_refuses_a_gguf_in_one_line_before_starting_anything(tmp_path):
-    model = small_gguf(tmp_path / "small.gguf")
+def test_bench_refuses_a_gguf_of_an_unserved_architecture_in_one_line_before_starting_anything(tmp_path):
+    model = small_gguf(tmp_path / "mamba.gguf", "mamba")
     completed = subprocess.run([HEARTH, "bench", "--model", str(model), "--repeats", "1", "--work-dir",
                                 str(tmp_path / "work")], capture_output=True, text=True, env=ENV, cwd=REPO_ROOT,
                                timeout=exit_timeout_s)
     assert completed.returncode == 1, completed.stderr
     assert completed.stderr.strip().splitlines() == [
-        f"hearth bench: --model {model}: a GGUF file; the bench compares the mesh with transformers' generate() on "
-        "the same checkpoint, which loads a checkpoint folder, a hub id or random:<shape> only"]
+        "hearth bench: GGUF mamba.gguf holds a 'mamba' model; hearth serves llama, qwen2, qwen3, phi3, gemma2, "
+        "gemma3 GGUFs (Mistral is written as llama)"]
     assert not (tmp_path / "work").exists()  # no broker, shard or worker was started
 
 

@@ -25,9 +25,10 @@ from hearth.services.devtools.demo import default_shards
 def bench_command(
     ctx: typer.Context,
     model: Annotated[
-        Optional[str], typer.Option("--model", help="Checkpoint folder, hub id in the local cache, or random:<shape> "
-                                    "(llama-250m, tinyllama-1.1b, llama3-8b, tiny) for random weights (default: the "
-                                    "bundled model).",
+        Optional[str], typer.Option("--model", help="Checkpoint folder, GGUF file (or a folder holding one; its "
+                                    "baseline is hearth's one-process path, not generate()), hub id in the local "
+                                    "cache, or random:<shape> (llama-250m, tinyllama-1.1b, llama3-8b, tiny) for "
+                                    "random weights (default: the bundled model).",
                                     show_default=False)
     ] = None,
     shards: Annotated[int, typer.Option("--shards", min=1, help="Shard processes; the layers are split evenly.")] = \
@@ -93,9 +94,9 @@ def bench_command(
                                           show_default=False)
     ] = None,
 ) -> None:
-    """Monolithic generate() vs the distributed pipeline on this machine: tokens/s, ratio, TTFT, construction,
-    per-hop transport overhead, concurrent sessions, and a burst (--burst); or, with --pin-cores N, N pinned
-    shards together vs one process on one core."""
+    """Monolithic generate() (hearth's one-process path for a GGUF) vs the distributed pipeline on this machine:
+    tokens/s, ratio, TTFT, construction, per-hop transport overhead, concurrent sessions, and a burst (--burst); or,
+    with --pin-cores N, N pinned shards together vs one process on one core."""
     from hearth.services.devtools.bench.command import BenchOptions, run_bench_command, run_together_command
 
     child_env = configuration_env(ctx)

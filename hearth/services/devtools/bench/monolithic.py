@@ -1,9 +1,10 @@
 """The monolithic baseline: the whole model's generate() in a worker process, timed token by token, and its handle.
 
 It can also time hearth's own one-process path (inference.local.LocalModel: the shards' runner over every layer
-plus the orchestrator's head), loaded on the first such job. The worker is ``python -m hearth.services.devtools.bench
-PATH [THREADS]`` (hearth/services/devtools/bench/__main__.py); it answers MonolithicJob lines on stdin with
-MonolithicReply lines on stdout.
+plus the orchestrator's head), loaded on the first such job; for a GGUF that path is the baseline itself (see
+MonolithicModel). The worker is ``python -m hearth.services.devtools.bench PATH [THREADS]``
+(hearth/services/devtools/bench/__main__.py); it answers MonolithicJob lines on stdin with MonolithicReply lines on
+stdout.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from hearth.formats.gguf_support import is_gguf_file
 from hearth.services.common.hearth_files import SOURCES_ROOT
 from hearth.services.devtools.bench.errors import BenchError
 from hearth.services.devtools.bench.prompts import build_prompt
 from hearth.services.devtools.bench.timing import GenerationTiming
-from hearth.services.devtools.demo_model import DemoModel
 
-
+# Which one-process path a worker times as its baseline: transformers' generate() over the checkpoint, or hearth's
+# own (LocalModel), the one a GGUF gets.
+BaselinePath = Literal["generate", "hearth_local"]
 
 class MonolithicJob(BaseModel):
     """One request to the monolithic worker (a JSON line on its stdin)."""
@@ -55,27 +58,42 @@ class MonolithicInfo(BaseModel):
     dtype: str
     torch_threads: int
     torch_version: str
-
-
-def check_baseline_loads(model: DemoModel) -> None:
-    """BenchError (one line) before anything starts when the monolithic baseline cannot load `model`: it is
-    transformers' from_pretrained of a checkpoint folder, which takes no GGUF file."""
-    if model.is_gguf:
-        raise BenchError(f"--model {model.argument}: a GGUF file; the bench compares the mesh with transformers' "
-                         "generate() on the same checkpoint, which loads a checkpoint folder, a hub id or "
-                         "random:<shape> only")
+    baseline: BaselinePath = "generate"
 
 
 class MonolithicModel:
-    """The whole model via transformers' from_pretrained; generate() greedy, timed by a streamer."""
+    """The whole model via transformers' from_pretrained; generate() greedy, timed by a streamer.
+
+    A GGUF file is served by hearth's own one-process path instead (`baseline` "hearth_local"), for generate jobs
+    too: transformers' GGUF loader dequantizes every tensor to full precision, so it would neither hold the weights
+    the mesh serves (stored codes kept where the scheme allows, hearth/inference/gguf_int4.py) nor fit where the
+    quantized model does."""
 
     def __init__(self, path: Path, device: str | None = None, dtype: str | None = None,
                  quantize: str | None = None) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self._torch = torch
         self.path = path
+        self._device_options = (device, dtype)
+        self._quantize = quantize or "none"
+        self._local = None
+        if is_gguf_file(path):
+            local = self._local_model()
+            self.tokenizer = local.head.tokenizer
+            self.baseline: BaselinePath = "hearth_local"
+            self.info = MonolithicInfo(parameters=gguf_parameters(path), dtype=local.info.dtype_name,
+                                       torch_threads=torch.get_num_threads(), torch_version=torch.__version__,
+                                       baseline=self.baseline)
+            return
+        self._load_transformers(device, dtype, quantize)
+
+    def _load_transformers(self, device: str | None, dtype: str | None, quantize: str | None) -> None:
+        torch = self._torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = self.path
+        self.baseline = "generate"
         if device is None and dtype is None:
             self.device = torch.device("cpu")
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
@@ -104,9 +122,6 @@ class MonolithicModel:
             if scheme.quantized and type(lm_head) is torch.nn.Linear and head_quantization(self.device):
                 self.model.set_output_embeddings(QuantizedLinear(lm_head, head_quantization(self.device)))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self._device_options = (device, dtype)
-        self._quantize = quantize or "none"
-        self._local = None
         self.info = MonolithicInfo(parameters=parameters, dtype=dense_dtype, torch_threads=torch.get_num_threads(),
                                    torch_version=torch.__version__)
 
@@ -115,7 +130,8 @@ class MonolithicModel:
             text, ids = build_prompt(self.tokenizer, self.path, job.prompt_tokens, job.variant)
             return MonolithicReply(prompt=text, prompt_ids=ids)
         ids = list(self.tokenizer(job.prompt)["input_ids"])  # exactly as the orchestrator encodes a raw prompt
-        generate = self.generate_local if job.kind == "generate_local" else self.generate
+        local = job.kind == "generate_local" or self.baseline == "hearth_local"
+        generate = self.generate_local if local else self.generate
         timing = generate(ids, job.new_tokens)
         return MonolithicReply(prompt_ids=ids, token_times_s=timing.token_times_s, token_ids=timing.token_ids)
 
@@ -146,10 +162,10 @@ class MonolithicModel:
         return timing
 
 
-    def generate_local(self, prompt_ids: Sequence[int], new_tokens: int) -> GenerationTiming:
-        """Greedy through hearth's one-process path, timed per token from the call."""
+    def _local_model(self):
+        """hearth's one-process path over the checkpoint (loaded on first use), in the mesh's device, dtype and
+        scheme."""
         from hearth.inference.local import load_full
-        from hearth.inference.sampling import SamplingParams
         from hearth.services.common.config_processes import ShardSettings
 
         if self._local is None:
@@ -157,13 +173,29 @@ class MonolithicModel:
             shard = ShardSettings()  # KV caches bounded as a shard's are by default
             self._local = load_full(self.path, device=device, dtype=dtype, quantization=self._quantize,
                                     cache_budget_bytes=shard.kv_cache_budget_bytes, session_ttl_s=shard.eviction_idle_s)
+        return self._local
+
+    def generate_local(self, prompt_ids: Sequence[int], new_tokens: int) -> GenerationTiming:
+        """Greedy through hearth's one-process path, timed per token from the call."""
+        from hearth.inference.sampling import SamplingParams
+
+        local = self._local_model()
         timing = GenerationTiming()
         started = time.perf_counter()
         with self._torch.inference_mode():
-            for token_id in self._local.generate_ids(prompt_ids, SamplingParams(max_tokens=new_tokens)):
+            for token_id in local.generate_ids(prompt_ids, SamplingParams(max_tokens=new_tokens)):
                 timing.token_times_s.append(time.perf_counter() - started)
                 timing.token_ids.append(token_id)
         return timing
+
+
+def gguf_parameters(path: Path) -> int:
+    """How many weights the GGUF at `path` holds (every tensor's elements, as its header states them)."""
+    from math import prod
+
+    from hearth.inference.gguf_header import read_gguf_header
+
+    return sum(prod(tensor.shape) for tensor in read_gguf_header(path).split.tensors)
 
 
 def monolithic_worker_main(model_path: str, torch_threads: int | None, device: str | None = None,

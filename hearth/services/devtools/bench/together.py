@@ -36,7 +36,7 @@ from pathlib import Path
 from hearth.services.devtools.bench.defaults import default_new_tokens, default_prompt_tokens
 from hearth.services.devtools.bench.errors import BenchError
 from hearth.services.devtools.bench.mesh import one_caller_shard_args, one_caller_streams_env
-from hearth.services.devtools.bench.monolithic import MonolithicInfo, MonolithicWorker, check_baseline_loads
+from hearth.services.devtools.bench.monolithic import MonolithicInfo, MonolithicWorker
 from hearth.services.devtools.bench.pipeline import pipeline_generation
 from hearth.services.devtools.bench.timing import GenerationTiming
 from hearth.services.devtools.bench.process_stats import cpu_seconds, cpus_allowed, own_cpu_seconds
@@ -148,7 +148,6 @@ class TogetherBench:
         if spec is not None and spec.startswith(RANDOM_PREFIX):
             spec = str(random_checkpoint(spec, options.cache_dir))
         model = resolve_demo_model(spec)
-        check_baseline_loads(model)
         if options.cores > model.num_layers:
             raise BenchError(f"--pin-cores must be at most the model's {model.num_layers} layers")
         started_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

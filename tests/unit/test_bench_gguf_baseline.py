@@ -1,0 +1,45 @@
+"""`hearth bench` on a GGUF: its one-process baseline is hearth's own path over the file (transformers' GGUF loader
+would dequantize every tensor), answering the worker's jobs with the tokens transformers gives for the same weights."""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+from transformers import AutoModelForCausalLM
+
+from hearth.services.devtools.bench.monolithic import MonolithicJob, MonolithicModel
+from tests.unit.gguf_files import own_cache, tiny_gguf  # noqa: F401 (fixtures)
+
+PROMPT_TOKENS = 8
+NEW_TOKENS = 6
+
+
+def test_a_gguf_baseline_runs_hearths_one_process_path_with_the_files_weights(tiny_gguf):
+    path, reference = tiny_gguf("llama", GGMLQuantizationType.Q8_0)
+    baseline = MonolithicModel(path)
+    transformers_model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+
+    assert baseline.info.baseline == "hearth_local"
+    assert baseline.info.dtype == "float32"
+    assert baseline.info.parameters == sum(p.numel() for p in transformers_model.parameters())
+    prompt = baseline.handle(MonolithicJob(kind="prompt", prompt_tokens=PROMPT_TOKENS))
+    assert prompt.prompt and 0 < len(prompt.prompt_ids) <= PROMPT_TOKENS
+    generated = baseline.handle(MonolithicJob(kind="generate", prompt=prompt.prompt, new_tokens=NEW_TOKENS))
+    assert generated.prompt_ids == prompt.prompt_ids
+    assert len(generated.token_ids) == len(generated.token_times_s) == NEW_TOKENS
+    assert generated.token_times_s == sorted(generated.token_times_s)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt.prompt_ids])
+        expected = transformers_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                               max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+    assert generated.token_ids == expected[0, ids.shape[1]:].tolist()
+
+
+def test_a_gguf_baseline_serves_the_meshs_scheme(tiny_gguf):
+    path, _ = tiny_gguf("llama", GGMLQuantizationType.Q8_0)
+    baseline = MonolithicModel(path, quantize="int8")
+    prompt = baseline.handle(MonolithicJob(kind="prompt", prompt_tokens=PROMPT_TOKENS))
+    generated = baseline.handle(MonolithicJob(kind="generate", prompt=prompt.prompt, new_tokens=NEW_TOKENS))
+    local = baseline.handle(MonolithicJob(kind="generate_local", prompt=prompt.prompt, new_tokens=NEW_TOKENS))
+    assert generated.token_ids == local.token_ids and len(local.token_ids) == NEW_TOKENS
+    assert baseline._local.runner.quantization == "int8"  # what the mesh's shards advertise for this scheme
