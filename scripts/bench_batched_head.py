@@ -3,6 +3,9 @@ versus as one batch (hearth/inference/head_batch.py), for B = 1, 2, 4, 8: what t
 transport or other processes.
 
     .venv/bin/python scripts/bench_batched_head.py --model random:llama-250m --threads 1
+    .venv/bin/python scripts/bench_batched_head.py --model SmolLM2-135M-Instruct.Q4_1.gguf --quantize int4
+
+`--quantize` loads the head as a quantized mesh's orchestrator holds it (hearth/inference/head_weights.py).
 
 Prints a table (head steps/s one by one, batched, speed-up; the best of --repeats alternating runs) and the share of
 256 random rows that a batch would recompute alone as near ties.
@@ -51,13 +54,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each; the best counts (a shared "
                         "machine's neighbours only ever slow a run down)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--quantize", default="none", help="the mesh's scheme (none, int8, int4/g32, ...)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     path = random_checkpoint(args.model) if args.model.startswith("random:") else args.model
-    head = load_head(path)
+    head = load_head(path, quantization=args.quantize)
     generator = torch.Generator().manual_seed(0)
-    print(f"{args.model} head on cpu ({torch.get_num_threads()} threads)")
+    print(f"{args.model} head on cpu ({torch.get_num_threads()} threads), lm_head {type(head._lm_head).__name__}")
     print("sessions  one-by-one steps/s  batched steps/s  speed-up")
     for sessions in (1, 2, 4, 8):
         rows = [HeadRow(torch.randn(1, 1, head.info.hidden_size, generator=generator), GREEDY)

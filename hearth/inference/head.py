@@ -16,11 +16,15 @@ from .cpu_kernels import onednn_linear, onednn_linear_available
 from .detokenizer import TextStream
 from .errors import InferenceError
 from .layer_call import rope_switch_tokens
+from .head_weights import HalfPrecisionHead
 from .quantization import QuantizedLinear, held_tensor_bytes
 from .sampling import SamplingParams, sample_token
 
 # From this many rows a batched head product on a CPU runs on oneDNN (see Head._product).
 head_onednn_min_rows = 5
+
+# lm_heads that compute with their own kernel, bias included (head_weights.py).
+_OWN_KERNELS = (QuantizedLinear, HalfPrecisionHead)
 
 
 class Head:
@@ -108,7 +112,7 @@ class Head:
             # The bound below holds for any summation order, so the fastest product serves (BENCHMARKS.md,
             # "Continuous batching on shards", "One batch for hops that share cores").
             products = self._product(normed)
-            if getattr(self._lm_head, "bias", None) is not None and not isinstance(self._lm_head, QuantizedLinear):
+            if getattr(self._lm_head, "bias", None) is not None and not isinstance(self._lm_head, _OWN_KERNELS):
                 products = products + self._lm_head.bias
             logits = self._adapter.postprocess_logits(products, self._config).to(dtype=torch.float32)
             accumulated = self.info.hidden_size * torch.finfo(torch.float32).eps * self._largest_head_row_norm()
@@ -119,8 +123,9 @@ class Head:
     def _product(self, normed: torch.Tensor) -> torch.Tensor:
         """``normed @ W^T`` for B rows: on a CPU in float32, W @ h^T for a few rows (BLAS runs the tall product
         faster than h @ W^T), oneDNN's linear from `head_onednn_min_rows` on, where it is the fastest (BENCHMARKS.md,
-        "One batch for hops that share cores"). A quantized lm_head runs its own kernel (bias included)."""
-        if isinstance(self._lm_head, QuantizedLinear):
+        "One batch for hops that share cores"). A quantized or float16 lm_head runs its own kernel (bias
+        included)."""
+        if isinstance(self._lm_head, _OWN_KERNELS):
             return self._lm_head(normed)
         weight = self._lm_head.weight
         if (normed.shape[0] >= head_onednn_min_rows and normed.device.type == "cpu"
@@ -129,8 +134,8 @@ class Head:
         return (weight @ normed.T).T
 
     def _largest_head_row_norm(self) -> float:
-        if isinstance(self._lm_head, QuantizedLinear):
-            return 0.0  # its kernel computes each row alone: a batch's rows round exactly as one-row products
+        if isinstance(self._lm_head, _OWN_KERNELS):
+            return 0.0  # their kernels compute each row alone: a batch's rows round exactly as one-row products
         if self._head_row_norm is None:
             with torch.inference_mode():
                 self._head_row_norm = float(self._lm_head.weight.float().norm(dim=1).amax())

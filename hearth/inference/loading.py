@@ -34,8 +34,9 @@ from hearth.formats.gguf_support import is_gguf_file
 from .gguf_tensor_table import check_layer_block_types
 from .ollama_models import served_model_id
 from .head import Head
+from .head_weights import served_lm_head
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
-    check_quantizable, dense_linears, head_quantization, held_as_stored, parse_quantization, quantize_linears
+    check_quantizable, dense_linears, held_as_stored, parse_quantization, quantize_linears
 from .heap import bound_arena_tops, release_freed_heap
 from .row_attention import use_row_attention
 from .runner import LayerRangeRunner
@@ -307,10 +308,9 @@ def load_head(
 ) -> Head:
     """The orchestrator's part of ``model``: tokenizer, embedding, final norm and lm_head (tied or not).
 
-    ``quantization`` other than "none" holds the lm_head in int8 on the CPU (weight-only,
-    hearth/inference/quantization.py, for every quantized scheme: the head's bytes are read for every token, and int4
-    would cost its logits most), unless the checkpoint stores it quantized already (a GGUF's Q8_0, Q6_K ...: then it is
-    served as stored, dequantized); the embedding (a lookup) and the final norm stay at full precision."""
+    ``quantization`` other than "none" holds the lm_head in int8 on the CPU, or in float16 where the checkpoint
+    stores it quantized already (hearth/inference/head_weights.py); the embedding (a lookup) and the final norm stay
+    at full precision."""
     scheme = parse_quantization(quantization)
     skeleton = _open_skeleton(
         model,
@@ -343,11 +343,9 @@ def load_head(
         _assert_materialized(module, what)
     head_weight_name = lm_head_name if lm_head.weight is not embed_tokens.weight else (
         skeleton.name_of(embed_tokens) + ".weight")
-    # A head already stored quantized (a GGUF's Q8_0 ...) is served as stored: quantizing it again would round
-    # twice (BENCHMARKS.md "Quantized shards: quality").
-    if (scheme.quantized and type(lm_head) is nn.Linear and head_quantization(skeleton.device) is not None
-            and not skeleton.checkpoint.stored_quantized(head_weight_name)):
-        lm_head = QuantizedLinear(lm_head, head_quantization(skeleton.device))
+    served = served_lm_head(lm_head, scheme, skeleton.device, skeleton.checkpoint.stored_quantized(head_weight_name))
+    if served is not lm_head:
+        lm_head = served
         skeleton.model.set_output_embeddings(lm_head)
         release_freed_heap()
     if skeleton.device.type == "cpu":

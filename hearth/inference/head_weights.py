@@ -1,0 +1,73 @@
+"""What a quantized model's lm_head is held in: int8 for a float checkpoint's, float16 for one the checkpoint stores
+quantized already (a GGUF's Q8_0, Q6_K ...) on a CPU with a fast float16 product, else as loaded (BENCHMARKS.md,
+"Quantized shard kernels")."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .quantization import QuantizationScheme, QuantizedLinear, head_quantization
+
+# torch's CPU capabilities whose float16 one-row product reads float16 weights and sums in float32 at about the speed
+# of their bytes; elsewhere (no AVX2, or a CPU where it was not measured) a float16 product may be slower than
+# float32's, so a stored-quantized head stays as loaded there.
+FAST_HALF_CPU_CAPABILITIES = ("AVX2", "AVX512")
+# The largest |logit| a HalfPrecisionHead may produce for a row of largest magnitude 1 (its rows' absolute sums):
+# below float16's largest finite value, with room for the sum's rounding.
+_HALF_OUTPUT_LIMIT = 0.5 * torch.finfo(torch.float16).max
+
+
+def half_head_supported(device: torch.device | str) -> bool:
+    """Whether a stored-quantized lm_head on `device` is held in float16 (a CPU with a fast float16 product)."""
+    return torch.device(device).type == "cpu" and torch.backends.cpu.get_cpu_capability() in FAST_HALF_CPU_CAPABILITIES
+
+
+class HalfPrecisionHead(nn.Module):
+    """An lm_head held in float16, computing each row scaled to a largest magnitude of 1 (so float16 holds it
+    whatever the hidden states' scale, at the same relative precision) and giving float32 logits.
+
+    Each logit then lies within float16's rounding of the products of the stored weights (a Q8_0 weight, an int8
+    code times a float16 scale, takes up to 18 bits; float16 keeps 11), far below what the quantized layers round.
+    Every row is its own one-row product, so a batch's rows round exactly as one-row products (torch's float16
+    product of several rows takes about as long as as many one-row products: BENCHMARKS.md "Quantized shards:
+    quality")."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", linear.weight.detach().to(torch.float16))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    @staticmethod
+    def fits(linear: nn.Linear) -> bool:
+        """Whether `linear`'s logits of rows scaled to 1 stay finite in float16 (each row's absolute sum bounds
+        them)."""
+        with torch.inference_mode():
+            return float(linear.weight.detach().abs().sum(dim=1, dtype=torch.float32).amax()) < _HALF_OUTPUT_LIMIT
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        rows = hidden_states.reshape(-1, self.in_features)
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        scaled = (rows / scale).to(torch.float16)
+        products = torch.cat([F.linear(scaled[index:index + 1], self.weight) for index in range(scaled.shape[0])])
+        logits = products.to(hidden_states.dtype) * scale
+        if self.bias is not None:
+            logits = logits + self.bias
+        return logits.reshape(*hidden_states.shape[:-1], self.out_features)
+
+
+def served_lm_head(lm_head: nn.Module, scheme: QuantizationScheme, device: torch.device,
+                   stored_quantized: bool) -> nn.Module:
+    """The module a head serves `lm_head` with under `scheme`: unchanged at full precision (or on a device where no
+    head kernel beats the compute dtype); a float checkpoint's in int8 on the CPU (the head's bytes are read for every
+    token, and int4 would cost its logits most); one the checkpoint stores quantized already in float16 where
+    half_head_supported, since quantizing it again would round twice (BENCHMARKS.md "Quantized shards: quality")."""
+    if not scheme.quantized or type(lm_head) is not nn.Linear or head_quantization(device) is None:
+        return lm_head
+    if not stored_quantized:
+        return QuantizedLinear(lm_head, head_quantization(device))
+    if half_head_supported(device) and HalfPrecisionHead.fits(lm_head):
+        return HalfPrecisionHead(lm_head)
+    return lm_head

@@ -1,0 +1,66 @@
+"""A quantized model's lm_head that the checkpoint stores quantized already (a GGUF's Q8_0) is held in float16 on a
+CPU with a fast float16 product (hearth/inference/head_weights.py): logits within float16's rounding of the stored
+weights', finite whatever the hidden states' scale, batched rows equal to one-row ones, and a head whose logits could
+leave float16's range stays as loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from hearth.inference import load_head
+from hearth.inference.head_weights import HalfPrecisionHead, half_head_supported, served_lm_head
+from hearth.inference.quantization import QuantizedLinear, parse_quantization
+from tests.unit.gguf_files import own_cache, tiny_gguf  # noqa: F401 (fixtures)
+
+# float16 keeps 11 bits: each weight and each scaled row within 2**-11 of its own, the logits about as close.
+HALF_RELATIVE_ERROR = 2e-3
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).norm() / reference.norm())
+
+
+@pytest.mark.skipif(not half_head_supported("cpu"), reason="this CPU has no fast float16 product for torch")
+@pytest.mark.parametrize("label", ["int8", "int4/g32"])
+def test_a_stored_quantized_head_is_served_in_float16_within_its_rounding(tiny_gguf, label):
+    path, _ = tiny_gguf("llama", GGMLQuantizationType.Q8_0)
+    dense, served = load_head(path, load_tokenizer=False), load_head(path, quantization=label, load_tokenizer=False)
+    assert type(dense._lm_head) is nn.Linear
+    assert isinstance(served._lm_head, HalfPrecisionHead)
+    torch.manual_seed(5)
+    states = [torch.randn(1, length, dense.info.hidden_size) for length in (1, 4, 2)]
+    logits, bounds = served.batch_logits(states)
+    for row, hidden in enumerate(states):
+        alone = served.logits(hidden)
+        assert alone.dtype == torch.float32
+        assert relative_error(alone, dense.logits(hidden)) < HALF_RELATIVE_ERROR
+        assert torch.equal(logits[row], alone)  # every row is its own product, batched or not
+    assert bool((bounds >= 0).all())
+
+
+def test_rows_of_any_scale_stay_finite_and_within_float16s_rounding():
+    torch.manual_seed(1)
+    linear = nn.Linear(64, 300, bias=True)
+    half = HalfPrecisionHead(linear)
+    with torch.inference_mode():
+        for scale in (1e-6, 1.0, 1e6):  # 1e6 overflows float16 unless each row is scaled first
+            hidden = torch.randn(3, 64) * scale
+            ours, reference = half(hidden), linear(hidden)
+            assert ours.dtype == torch.float32 and bool(torch.isfinite(ours).all())
+            assert relative_error(ours, reference) < HALF_RELATIVE_ERROR
+
+
+def test_which_module_serves_an_lm_head():
+    linear = nn.Linear(32, 100, bias=False)
+    int8, none = parse_quantization("int8"), parse_quantization("none")
+    assert served_lm_head(linear, none, torch.device("cpu"), stored_quantized=True) is linear
+    assert isinstance(served_lm_head(linear, int8, torch.device("cpu"), stored_quantized=False), QuantizedLinear)
+    stored = served_lm_head(linear, int8, torch.device("cpu"), stored_quantized=True)
+    assert isinstance(stored, HalfPrecisionHead) if half_head_supported("cpu") else stored is linear
+    with torch.no_grad():
+        linear.weight.fill_(2048.0)  # rows summing past float16's range: logits of a row scaled to 1 could overflow
+    assert not HalfPrecisionHead.fits(linear)
+    assert served_lm_head(linear, int8, torch.device("cpu"), stored_quantized=True) is linear
