@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -214,6 +214,24 @@ class GGUFCheckpoint:
         codes, scales, minimums = (torch.from_numpy(np.ascontiguousarray(part)).to(device) for part in parts)
         self.bytes_read += int(stored.n_bytes)
         return Int4Groups(codes, scales, minimums)
+
+    def row_reader(self, name: str) -> Callable[[np.ndarray], np.ndarray]:
+        """A reader of rows of the 2-D tensor `name`: given row indices, those rows as float32, read from the
+        memory-mapped file and dequantized row by row (blocks never span rows), each exactly as `read` gives it."""
+        stored = self._stored(name)
+        check_block_types([(stored.name, stored.block_type.name)], self.path.name)
+        data = self._stored_bytes(stored).view(stored.stored_dtype).reshape(stored.stored_shape)
+        if len(stored.shape) != 2 or data.shape[0] != stored.shape[0]:
+            raise CheckpointError(f"tensor {stored.name} of {self.path.name} is not stored in rows")
+
+        def rows(indices: np.ndarray) -> np.ndarray:
+            picked = data[indices]  # reads only those rows' pages
+            values = picked if picked.dtype.kind == "f" else gguf_package().quants.dequantize(picked,
+                                                                                            stored.block_type)
+            values = self._processor.process(weights=values, name=stored.name).weights
+            return np.ascontiguousarray(values, dtype=np.float32)
+
+        return rows
 
     def stop_token_ids(self) -> set[int]:
         """End-of-generation token ids the GGUF names (eos, end of turn, end of message)."""

@@ -40,6 +40,7 @@ from .quantization import QuantizationScheme, QuantizedLinear, check_device_supp
 from .heap import bound_arena_tops, release_freed_heap
 from .row_attention import use_row_attention
 from .runner import LayerRangeRunner
+from .stored_embedding import embedding_from_stored_rows
 from .sessions import EvictedSession
 
 logger = logging.getLogger(__name__)
@@ -344,9 +345,12 @@ def load_head(
     head_weight_name = lm_head_name if lm_head.weight is not embed_tokens.weight else (
         skeleton.name_of(embed_tokens) + ".weight")
     served = served_lm_head(lm_head, scheme, skeleton.device, skeleton.checkpoint.stored_quantized(head_weight_name))
-    if served is not lm_head:
-        lm_head = served
+    stored_rows = embedding_from_stored_rows(skeleton.checkpoint, skeleton.name_of(embed_tokens) + ".weight",
+                                             embed_tokens, served, skeleton.device)
+    if served is not lm_head or stored_rows is not None:
+        lm_head, embed_tokens = served, stored_rows or embed_tokens
         skeleton.model.set_output_embeddings(lm_head)
+        skeleton.model.set_input_embeddings(embed_tokens)
         release_freed_heap()
     if skeleton.device.type == "cpu":
         bound_arena_tops()
