@@ -22,7 +22,11 @@ def test_a_key_made_on_the_members_machine_joins_through_add_public_key(tmp_path
     seed_file = seed_path(attic, "attic-pc")
     assert stat.S_IMODE(seed_file.stat().st_mode) == 0o600 and stat.S_IMODE(attic.stat().st_mode) == 0o700
     public_key = made.stdout.strip()
-    assert public_key.startswith("U") and "SU" not in made.output  # only the public key: never the seed (SU...)
+    assert public_key.startswith("U")
+    # Only the public key: never the seed (an "SU..." word; a public key may hold the letters "SU" anywhere).
+    seed = seed_file.read_text().strip()
+    assert seed.startswith("SU") and seed not in made.output
+    assert not any(word.startswith("SU") for word in made.output.split())
 
     steward = Community.init(tmp_path / "hub" / "community", "elm-street")
     added = CliRunner().invoke(community_app, ["add", "--name", "attic-pc", "--role", "shard",
