@@ -118,3 +118,24 @@ def test_the_device_a_shard_starts_on_is_read_from_its_arguments():
     assert _device_argument(["shard", "--layers", "0-1", "--device", "cuda:0"]) == "cuda:0"
     assert _device_argument(["host", "--device=cuda"]) == "cuda"
     assert _device_argument(["shard", "--layers", "0-1"]) is None
+
+
+@pytest.mark.parametrize(("baseline", "named"), [("generate", "generate()"), ("hearth_local", "one process")])
+def test_the_report_names_the_baseline_it_compared_with(baseline, named):
+    from hearth.services.devtools.bench.report import BenchReport, format_report, side_figures
+    from hearth.services.devtools.bench.targets import target_checks
+
+    side = side_figures([GenerationTiming(token_times_s=[0.1, 0.2, 0.3], token_ids=[1, 2, 3])])
+    report = BenchReport(
+        started_at="now", machine={"cpus": 2, "torch": "x"},
+        model={"spec": "m.gguf", "layers": 2, "parameters": 1e6, "dtype": "float32"},
+        settings={"monolithic_baseline": baseline, "shards": 2, "layer_ranges": ["0-0", "1-1"], "prompt_tokens": 4,
+                  "new_tokens": 3, "repeats": 1},
+        monolithic=side, pipeline=side, greedy_outputs_match=True, ratio_median=1.0, ratio_of_medians=1.0,
+        pipeline_overhead_ms_per_token=0.0, construct_ms_p50=None, construct_ms_max=None, transport_decode=[],
+        transport_prefill=[], concurrent=None, targets=[])
+    report.targets = target_checks(report)
+    text = format_report(report)
+    assert f"{named}, same thread settings" in text
+    assert report.targets[0].target.endswith(f"x monolithic {named}")
+    assert ("generate()" in text) == (baseline == "generate")

@@ -191,6 +191,12 @@ def side_figures(runs: list[GenerationTiming]) -> Side:
                 ttft_ms_median=statistics.median(r.ttft_ms for r in runs))
 
 
+def baseline_name(settings: dict) -> str:
+    """What the pipeline is compared with: transformers' generate(), or for a GGUF hearth's own one-process path
+    (bench/monolithic.py)."""
+    return "one process" if settings.get("monolithic_baseline") == "hearth_local" else "generate()"
+
+
 def format_report(report: BenchReport) -> str:
     lines = []
     model, settings = report.model, report.settings
@@ -205,8 +211,7 @@ def format_report(report: BenchReport) -> str:
     lines.append(verification_line(report))
     lines.append("")
     lines.append(f"{'':34s}{'decode tokens/s':>16s}{'ttft ms':>10s}")
-    # A GGUF's baseline is hearth's own one-process path (bench/monolithic.py), not transformers' generate().
-    baseline = "one process" if settings.get("monolithic_baseline") == "hearth_local" else "generate()"
+    baseline = baseline_name(settings)
     lines.append(f"{baseline + ', same thread settings':34s}{report.monolithic.decode_tokens_per_s_median:16.2f}"
                  f"{report.monolithic.ttft_ms_median:10.1f}   ({settings.get('monolithic_torch_threads')} threads, "
                  f"{_env_text(settings.get('process_env') or {})})")
@@ -225,7 +230,7 @@ def format_report(report: BenchReport) -> str:
                  f"{report.ratio_of_medians:.3f}); pipeline overhead "
                  f"{report.pipeline_overhead_ms_per_token:.2f} ms/token")
     if report.ratio_vs_library_defaults is not None:
-        lines.append(f"ratio pipeline / generate() with library defaults: {report.ratio_vs_library_defaults:.3f}")
+        lines.append(f"ratio pipeline / {baseline} with library defaults: {report.ratio_vs_library_defaults:.3f}")
     if report.construct_ms_p50 is not None:
         lines.append(f"pipeline construction: p50 {report.construct_ms_p50:.1f} ms, "
                      f"max {report.construct_ms_max:.1f} ms")
@@ -258,8 +263,8 @@ def format_report(report: BenchReport) -> str:
                          + ("  <- first token only after another session finished"
                             if s.first_token_after_another_finished else ""))
         if c.outputs_match_solo is not None:
-            lines.append("  answers: " + ("each equals generate() of its prompt alone" if c.outputs_match_solo
-                                          else "SOME DIFFER from generate() of their prompt alone"))
+            lines.append("  answers: " + (f"each equals {baseline} of its prompt alone" if c.outputs_match_solo
+                                          else f"SOME DIFFER from {baseline} of their prompt alone"))
         if c.all_decoding_tokens_per_s is not None:
             lines.append(f"  while all {len(c.sessions)} decode: {c.all_decoding_tokens_per_s:.2f} tokens/s")
         if c.mean_batch_rows:
