@@ -328,25 +328,28 @@ def load_head(
     embed_tokens = skeleton.model.get_input_embeddings()
     lm_head = skeleton.model.get_output_embeddings()
     final_norm = decoder.norm
-    skeleton.materialize(embed_tokens)
-    skeleton.adapter.materialize_embedding_buffers(embed_tokens)
+    lm_head_name, embed_name = skeleton.name_of(lm_head) + ".weight", skeleton.name_of(embed_tokens) + ".weight"
+    tied = skeleton.info.tie_word_embeddings or lm_head_name not in skeleton.checkpoint
+    if tied and not skeleton.info.tie_word_embeddings:
+        raise CheckpointError(f"{lm_head_name} is missing and the config does not tie it to the embedding")
+    # An untied embedding the file can look up row by row is never read whole (stored_embedding.py).
+    stored_rows = None if tied else embedding_from_stored_rows(skeleton.checkpoint, embed_name, embed_tokens, lm_head,
+                                                               skeleton.device)
+    if stored_rows is None:
+        skeleton.materialize(embed_tokens)
+        skeleton.adapter.materialize_embedding_buffers(embed_tokens)
     skeleton.materialize(final_norm)
-    lm_head_name = skeleton.name_of(lm_head) + ".weight"
-    if skeleton.info.tie_word_embeddings or lm_head_name not in skeleton.checkpoint:
-        if not skeleton.info.tie_word_embeddings:
-            raise CheckpointError(
-                f"{lm_head_name} is missing and the config does not tie it to the embedding"
-            )
+    if tied:
         lm_head.weight = embed_tokens.weight
     else:
         skeleton.materialize(lm_head)
-    for what, module in (("embedding", embed_tokens), ("final norm", final_norm), ("lm_head", lm_head)):
+    for what, module in (("embedding", stored_rows or embed_tokens), ("final norm", final_norm), ("lm_head", lm_head)):
         _assert_materialized(module, what)
-    head_weight_name = lm_head_name if lm_head.weight is not embed_tokens.weight else (
-        skeleton.name_of(embed_tokens) + ".weight")
+    head_weight_name = embed_name if tied else lm_head_name
     served = served_lm_head(lm_head, scheme, skeleton.device, skeleton.checkpoint.stored_quantized(head_weight_name))
-    stored_rows = embedding_from_stored_rows(skeleton.checkpoint, skeleton.name_of(embed_tokens) + ".weight",
-                                             embed_tokens, served, skeleton.device)
+    if tied:
+        stored_rows = embedding_from_stored_rows(skeleton.checkpoint, embed_name, embed_tokens, served,
+                                                 skeleton.device)
     if served is not lm_head or stored_rows is not None:
         lm_head, embed_tokens = served, stored_rows or embed_tokens
         skeleton.model.set_output_embeddings(lm_head)

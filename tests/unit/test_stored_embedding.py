@@ -1,6 +1,7 @@
 """A GGUF's token embedding is looked up in the file (hearth/inference/stored_embedding.py) wherever nothing else uses
 its matrix: each row exactly the value a whole-tensor read gives, for every stored type, and the head holds no copy of
-it; an lm_head tied to it at full precision keeps the matrix, and the lookup refuses ids outside the vocabulary."""
+it (an untied one is not even read whole while loading); an lm_head tied to it at full precision keeps the matrix,
+and the lookup refuses ids outside the vocabulary."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from hearth.inference import load_head
+from hearth.inference.gguf_tensor_table import gguf_table
 from hearth.inference.head_weights import half_head_supported
 from hearth.inference.stored_embedding import StoredRowsEmbedding
 from tests.unit.gguf_files import own_cache, tiny_gguf  # noqa: F401 (fixtures)
@@ -33,6 +35,9 @@ def test_an_untied_ggufs_embedding_is_read_row_by_row_as_the_whole_tensor_reads(
     assert torch.equal(from_file.embed(ids[:1]), expected.embed(ids[:1]))
     embedding_bytes = expected.info.vocab_size * expected.info.hidden_size * 4
     assert from_file.weight_bytes <= expected.weight_bytes - embedding_bytes  # no copy of the matrix held
+    stored = {tensor.name: tensor.n_bytes for tensor in gguf_table(path).tensors}
+    # Loading read the final norm and the lm_head, never the embedding whole.
+    assert from_file.checkpoint_bytes_read == stored["output_norm.weight"] + stored["output.weight"]
 
 
 def test_a_tied_embedding_stays_with_a_full_precision_head_and_leaves_a_float16_one(tiny_gguf):
