@@ -17,6 +17,7 @@ FAST_HALF_CPU_CAPABILITIES = ("AVX2", "AVX512")
 # The largest |logit| a HalfPrecisionHead may produce for a row of largest magnitude 1 (its rows' absolute sums):
 # below float16's largest finite value, with room for the sum's rounding.
 _HALF_OUTPUT_LIMIT = 0.5 * torch.finfo(torch.float16).max
+_FITS_ROWS_PER_CHUNK = 4096
 
 
 def half_head_supported(device: torch.device | str) -> bool:
@@ -44,8 +45,10 @@ class HalfPrecisionHead(nn.Module):
     def fits(linear: nn.Linear) -> bool:
         """Whether `linear`'s logits of rows scaled to 1 stay finite in float16 (each row's absolute sum bounds
         them)."""
-        with torch.inference_mode():
-            return float(linear.weight.detach().abs().sum(dim=1, dtype=torch.float32).amax()) < _HALF_OUTPUT_LIMIT
+        weight = linear.weight.detach()
+        with torch.inference_mode():  # a few rows at a time: no temporary the size of the whole matrix
+            return all(float(rows.abs().sum(dim=1, dtype=torch.float32).amax()) < _HALF_OUTPUT_LIMIT
+                       for rows in weight.split(_FITS_ROWS_PER_CHUNK))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         rows = hidden_states.reshape(-1, self.in_features)

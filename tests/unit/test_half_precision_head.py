@@ -64,3 +64,11 @@ def test_which_module_serves_an_lm_head():
         linear.weight.fill_(2048.0)  # rows summing past float16's range: logits of a row scaled to 1 could overflow
     assert not HalfPrecisionHead.fits(linear)
     assert served_lm_head(linear, int8, torch.device("cpu"), stored_quantized=True) is linear
+
+
+def test_one_row_past_float16s_range_anywhere_keeps_the_head_as_loaded():
+    linear = nn.Linear(16, 5000, bias=False)
+    assert HalfPrecisionHead.fits(linear)
+    with torch.no_grad():
+        linear.weight[4500].fill_(4096.0)  # a row past the first chunk of rows the check reads at a time
+    assert not HalfPrecisionHead.fits(linear)
