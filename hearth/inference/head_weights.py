@@ -1,6 +1,6 @@
 """What a quantized model's lm_head is held in: int8 for a float checkpoint's, float16 for one the checkpoint stores
 quantized already (a GGUF's Q8_0, Q6_K ...) on a CPU with a fast float16 product, else as loaded (BENCHMARKS.md,
-"Quantized shard kernels")."""
+"A GGUF's quantized head in float16")."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ class HalfPrecisionHead(nn.Module):
     Each logit then lies within float16's rounding of the products of the stored weights (a Q8_0 weight, an int8
     code times a float16 scale, takes up to 18 bits; float16 keeps 11), far below what the quantized layers round.
     Every row is its own one-row product, so a batch's rows round exactly as one-row products (torch's float16
-    product of several rows takes about as long as as many one-row products: BENCHMARKS.md "Quantized shards:
-    quality")."""
+    product of several rows takes about as long as as many one-row products: BENCHMARKS.md "A GGUF's quantized head
+    in float16")."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
