@@ -225,10 +225,7 @@ class GGUFCheckpoint:
             raise CheckpointError(f"tensor {stored.name} of {self.path.name} is not stored in rows")
 
         def rows(indices: np.ndarray) -> np.ndarray:
-            picked = data[indices]  # reads only those rows' pages
-            values = picked if picked.dtype.kind == "f" else gguf_package().quants.dequantize(picked,
-                                                                                            stored.block_type)
-            values = self._processor.process(weights=values, name=stored.name).weights
+            values = self._values(stored, data[indices])  # reads only those rows' pages
             return np.ascontiguousarray(values, dtype=np.float32)
 
         return rows
@@ -269,7 +266,14 @@ class GGUFCheckpoint:
         return np.memmap(self.path, dtype=np.uint8, mode="r", offset=stored.data_offset, shape=(stored.n_bytes,))
 
     def _dequantized(self, stored: StoredTensor) -> np.ndarray:
-        data = self._stored_bytes(stored).view(stored.stored_dtype).reshape(stored.stored_shape)
+        values = self._values(stored, self._stored_bytes(stored).view(stored.stored_dtype).reshape(stored.stored_shape))
+        if not (values.flags.writeable and values.flags.c_contiguous):
+            # A tensor stored as plain floats is a read-only view of the memory map: copy it out of the file.
+            values = np.array(values, order="C", copy=True)
+        return values
+
+    def _values(self, stored: StoredTensor, data: np.ndarray) -> np.ndarray:
+        """The values of `data` (the stored tensor's array, or some of its rows) dequantized and in HF's layout."""
         if data.dtype.kind == "f":
             values = data  # F32, F16, F64 are numpy's own floats (the gguf package has no F64 dequantizer)
         else:
@@ -278,8 +282,4 @@ class GGUFCheckpoint:
             except (ValueError, NotImplementedError) as exc:
                 raise CheckpointError(
                     f"tensor {stored.name} of {self.path.name} cannot be dequantized: {exc}") from None
-        values = self._processor.process(weights=values, name=stored.name).weights
-        if not (values.flags.writeable and values.flags.c_contiguous):
-            # A tensor stored as plain floats is a read-only view of the memory map: copy it out of the file.
-            values = np.array(values, order="C", copy=True)
-        return values
+        return self._processor.process(weights=values, name=stored.name).weights

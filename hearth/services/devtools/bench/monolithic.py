@@ -29,6 +29,7 @@ from hearth.services.devtools.bench.timing import GenerationTiming
 # own (LocalModel), the one a GGUF gets.
 BaselinePath = Literal["generate", "hearth_local"]
 
+
 class MonolithicJob(BaseModel):
     """One request to the monolithic worker (a JSON line on its stdin)."""
 
@@ -81,10 +82,9 @@ class MonolithicModel:
         if is_gguf_file(path):
             local = self._local_model()
             self.tokenizer = local.head.tokenizer
-            self.baseline: BaselinePath = "hearth_local"
             self.info = MonolithicInfo(parameters=gguf_parameters(path), dtype=local.info.dtype_name,
                                        torch_threads=torch.get_num_threads(), torch_version=torch.__version__,
-                                       baseline=self.baseline)
+                                       baseline="hearth_local")
             return
         self._load_transformers(device, dtype, quantize)
 
@@ -93,7 +93,6 @@ class MonolithicModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = self.path
-        self.baseline = "generate"
         if device is None and dtype is None:
             self.device = torch.device("cpu")
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
@@ -130,7 +129,7 @@ class MonolithicModel:
             text, ids = build_prompt(self.tokenizer, self.path, job.prompt_tokens, job.variant)
             return MonolithicReply(prompt=text, prompt_ids=ids)
         ids = list(self.tokenizer(job.prompt)["input_ids"])  # exactly as the orchestrator encodes a raw prompt
-        local = job.kind == "generate_local" or self.baseline == "hearth_local"
+        local = job.kind == "generate_local" or self.info.baseline == "hearth_local"
         generate = self.generate_local if local else self.generate
         timing = generate(ids, job.new_tokens)
         return MonolithicReply(prompt_ids=ids, token_times_s=timing.token_times_s, token_ids=timing.token_ids)
