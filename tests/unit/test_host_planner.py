@@ -233,9 +233,9 @@ async def test_a_host_waits_for_a_move_under_way_rather_than_following_it_into_t
     advertised since) now holds the others' decisions until it has landed."""
     from hearth.services.host.main import wait_for_hole
 
-    # Turns a hold apart: 0.3 s, so that an event loop stalled on a loaded machine does not wake two hosts whose
+    # Turns a hold apart: 0.8 s, so that an event loop stalled on a loaded machine does not wake two hosts whose
     # turns have both passed in the same pass, the later one deciding on a read from before the earlier one's move.
-    settings = host_settings(rebalance_hold_s=0.3, rebalance_check_interval_s=0.01)
+    settings = host_settings(rebalance_hold_s=0.8, rebalance_check_interval_s=0.01)
     six = Mesh(mesh.engine, layers=6)
     held = {node: (LayerRange(0, 1), six.add(0, 1, node)) for node in "abc"}
     moves: list[str] = []
@@ -246,10 +246,10 @@ async def test_a_host_waits_for_a_move_under_way_rather_than_following_it_into_t
             target = await wait_for_hole(six.coverage(), current, shard_id, [100] * 6, 250, settings)
             moves.append(f"{node}: {current} -> {target}")
             six.withdraw(shard_id, node, reason="moved")
-            await asyncio.sleep(1.5)  # loading the new range: far longer than the holds, on a loaded machine too
+            await asyncio.sleep(4.0)  # loading the new range: far longer than the holds, on a loaded machine too
             held[node] = (target, six.add(target.lo, target.hi, node))
 
-    await run_for(6.0, *(host(node) for node in "abc"))
+    await run_for(16.0, *(host(node) for node in "abc"))
     assert sorted(str(current) for current, _ in held.values()) == ["0-1", "2-3", "4-5"]
     assert len(moves) == 2, moves
 
