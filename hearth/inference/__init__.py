@@ -26,7 +26,8 @@ from .errors import (
     UnsupportedArchitectureError,
 )
 from .head import Head
-from .loading import load_head, load_layer_range
+from .head_loading import load_head
+from .loading import load_layer_range
 from .local import LocalModel, load_full
 from .quantization import DEFAULT_QUANTIZATION, QuantizationError, QuantizationScheme, parse_quantization
 from .runner import STEP_KINDS, LayerRangeRunner

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from .architectures import ArchitectureAdapter, adapter_for
 from .devices import resolve_device
@@ -29,18 +29,16 @@ from .checkpoint import ModelInfo, SafetensorsCheckpoint, default_model_id, open
     read_config_dict, resolve_dtype, resolve_model_path
 from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
 from .errors import CheckpointError, first_line
-from .gguf_checkpoint import GGUFCheckpoint, load_gguf_tokenizer
+from .gguf_checkpoint import GGUFCheckpoint
 from hearth.formats.gguf_support import is_gguf_file
 from .gguf_tensor_table import check_layer_block_types
 from .ollama_models import served_model_id
-from .head import Head
-from .head_weights import served_lm_head
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
-    check_quantizable, dense_linears, held_as_stored, parse_quantization, quantize_linears
-from .heap import bound_arena_tops, release_freed_heap
+    check_quantizable, dense_linears, held_as_stored, quantize_linears
+from .heap import bound_arena_tops
 from .row_attention import use_row_attention
 from .runner import LayerRangeRunner
-from .stored_embedding import embedding_from_stored_rows
+from .stored_precision import resolved_scheme
 from .sessions import EvictedSession
 
 logger = logging.getLogger(__name__)
@@ -100,7 +98,7 @@ class _Skeleton:
         return [*held, *names]
 
 
-def _open_skeleton(
+def open_skeleton(
     model: str | Path,
     *,
     dtype: torch.dtype | str | None,
@@ -177,7 +175,7 @@ def check_checkpoint(path: Path) -> None:
         SafetensorsCheckpoint(path)
 
 
-def _assert_materialized(module: nn.Module, what: str) -> None:
+def assert_materialized(module: nn.Module, what: str) -> None:
     leftovers = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if leftovers:
         raise CheckpointError(f"{what}: tensors {leftovers} were not loaded")
@@ -217,16 +215,17 @@ def load_layer_range(
     hearth/inference/prefix_cache.py).
     ``attn_implementation`` None picks transformers' default for the family (sdpa, or eager for Gemma 2).
     ``cpu_linear_kernel``: which kernel float32 CPU layers' projections run on (hearth/inference/cpu_kernels.py).
-    ``quantization`` ("none", "int8", "int4/g64", ...): each layer's Linears are quantized as soon as the layer is
-    read, before the next one is (hearth/inference/quantization.py), so the host never holds the range at full
-    precision; quantized Linears run torch's quantized kernels whatever ``cpu_linear_kernel`` says.
+    ``quantization`` ("none", "int8", "int4/g64", ...; "auto": hearth/inference/stored_precision.py): each layer's
+    Linears are quantized as soon as the layer is read, before the next one is (hearth/inference/quantization.py), so
+    the host never holds the range at full precision; quantized Linears run torch's quantized kernels whatever
+    ``cpu_linear_kernel`` says.
     Only the tensors of layers lo..hi are read from the (single-file or sharded) safetensors files, or the GGUF
     (each dequantized to ``dtype``, then quantized to ``quantization``: hearth/inference/gguf_checkpoint.py; but a
     Linear weight stored as 4-bit codes in groups (Q4_0, Q4_1, Q4_K) is never re-rounded into more bits: under int8 or
-    int4 of its group it is held as stored, in int4 of its groups; ``runner.quantization`` stays the scheme asked).
+    int4 of its group it is held as stored, in int4 of its groups; ``runner.quantization`` stays the scheme asked,
+    auto resolved).
     """
-    scheme = parse_quantization(quantization)
-    skeleton = _open_skeleton(
+    skeleton = open_skeleton(
         model,
         dtype=dtype,
         device=device,
@@ -243,6 +242,7 @@ def load_layer_range(
         )
     use_row_attention(skeleton.model, skeleton.device)
     decoder = skeleton.model.get_decoder()
+    scheme = resolved_scheme(quantization, skeleton.info.path, skeleton.device)
     check_device_supports(scheme, skeleton.device)
     for layer_index in range(lo, hi + 1):
         check_quantizable(decoder.layers[layer_index], scheme, f"layer {layer_index} of {skeleton.info.model_id}")
@@ -254,7 +254,7 @@ def load_layer_range(
         loaded = skeleton.materialize_layer(layer, scheme)
         held_as_stored_count += sum(isinstance(m, QuantizedLinear) for m in layer.modules())
         loaded_names += loaded
-        _assert_materialized(layer, f"layer {layer_index}")
+        assert_materialized(layer, f"layer {layer_index}")
         quantize_linears(layer, scheme)
         layers[layer_index] = layer
     if held_as_stored_count:
@@ -293,108 +293,3 @@ def load_layer_range(
     )
     runner.quantization = scheme.label
     return runner
-
-
-def load_head(
-    model: str | Path,
-    *,
-    dtype: torch.dtype | str | None = None,
-    device: torch.device | str | None = None,
-    model_id: str | None = None,
-    revision: str | None = None,
-    cache_dir: str | Path | None = None,
-    local_files_only: bool | None = None,
-    load_tokenizer: bool = True,
-    quantization: str | QuantizationScheme = "none",
-) -> Head:
-    """The orchestrator's part of ``model``: tokenizer, embedding, final norm and lm_head (tied or not).
-
-    ``quantization`` other than "none" holds the lm_head in int8 on the CPU, or in float16 where the checkpoint
-    stores it quantized already (hearth/inference/head_weights.py); the embedding (a lookup) and the final norm stay
-    at full precision."""
-    scheme = parse_quantization(quantization)
-    skeleton = _open_skeleton(
-        model,
-        dtype=dtype,
-        device=device,
-        attn_implementation=None,
-        model_id=model_id,
-        revision=revision,
-        cache_dir=cache_dir,
-        local_files_only=local_files_only,
-    )
-    check_device_supports(scheme, skeleton.device)
-    decoder = skeleton.model.get_decoder()
-    embed_tokens = skeleton.model.get_input_embeddings()
-    lm_head = skeleton.model.get_output_embeddings()
-    final_norm = decoder.norm
-    lm_head_name, embed_name = skeleton.name_of(lm_head) + ".weight", skeleton.name_of(embed_tokens) + ".weight"
-    tied = skeleton.info.tie_word_embeddings or lm_head_name not in skeleton.checkpoint
-    if tied and not skeleton.info.tie_word_embeddings:
-        raise CheckpointError(f"{lm_head_name} is missing and the config does not tie it to the embedding")
-    # An untied embedding the file can look up row by row is never read whole (stored_embedding.py).
-    stored_rows = None if tied else embedding_from_stored_rows(skeleton.checkpoint, embed_name, embed_tokens, lm_head,
-                                                               skeleton.device)
-    if stored_rows is None:
-        skeleton.materialize(embed_tokens)
-        skeleton.adapter.materialize_embedding_buffers(embed_tokens)
-    skeleton.materialize(final_norm)
-    if tied:
-        lm_head.weight = embed_tokens.weight
-    else:
-        skeleton.materialize(lm_head)
-    for what, module in (("embedding", stored_rows or embed_tokens), ("final norm", final_norm), ("lm_head", lm_head)):
-        _assert_materialized(module, what)
-    head_weight_name = embed_name if tied else lm_head_name
-    served = served_lm_head(lm_head, scheme, skeleton.device, skeleton.checkpoint.stored_quantized(head_weight_name))
-    if tied:
-        stored_rows = embedding_from_stored_rows(skeleton.checkpoint, embed_name, embed_tokens, served,
-                                                 skeleton.device)
-    if served is not lm_head or stored_rows is not None:
-        lm_head, embed_tokens = served, stored_rows or embed_tokens
-        skeleton.model.set_output_embeddings(lm_head)
-        skeleton.model.set_input_embeddings(embed_tokens)
-        release_freed_heap()
-    if skeleton.device.type == "cpu":
-        bound_arena_tops()
-    tokenizer = _load_tokenizer(skeleton.info.path) if load_tokenizer else None
-    eos_token_ids = _eos_token_ids(skeleton.info.path, skeleton.config, tokenizer)
-    if isinstance(skeleton.checkpoint, GGUFCheckpoint):
-        eos_token_ids |= skeleton.checkpoint.stop_token_ids()
-    return Head(
-        info=skeleton.info,
-        config=skeleton.config,
-        adapter=skeleton.adapter,
-        embed_tokens=embed_tokens,
-        final_norm=final_norm,
-        lm_head=lm_head,
-        tokenizer=tokenizer,
-        eos_token_ids=eos_token_ids,
-        checkpoint_bytes_read=skeleton.checkpoint.bytes_read,
-        device=skeleton.device,
-    )
-
-
-def _load_tokenizer(path: Path):
-    try:
-        return load_gguf_tokenizer(path) if is_gguf_file(path) else AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as exc:  # KeyError: transformers' GGUF reader on a file with no token list
-        logger.warning("no usable tokenizer in %s: %s", path, exc)
-        return None
-
-
-def _eos_token_ids(path: Path, config: PretrainedConfig, tokenizer) -> set[int]:
-    """End-of-sequence ids as generate() uses them: generation_config.json, config, and the tokenizer's."""
-    candidates: list = []
-    if path.is_dir() and (path / "generation_config.json").is_file():
-        candidates.append(GenerationConfig.from_pretrained(path).eos_token_id)
-    candidates.append(getattr(config, "eos_token_id", None))
-    if tokenizer is not None:
-        candidates.append(tokenizer.eos_token_id)
-    ids: set[int] = set()
-    for candidate in candidates:
-        if isinstance(candidate, int):
-            ids.add(candidate)
-        elif isinstance(candidate, (list, tuple)):
-            ids.update(int(t) for t in candidate)
-    return ids

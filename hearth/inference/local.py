@@ -15,7 +15,8 @@ import torch
 
 from .detokenizer import TextDelta
 from .head import Head
-from .loading import load_head, load_layer_range
+from .head_loading import load_head
+from .loading import load_layer_range
 from .quantization import QuantizationScheme
 from .runner import LayerRangeRunner
 from .sampling import SamplingParams

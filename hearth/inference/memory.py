@@ -39,8 +39,15 @@ def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,
     scheme's bytes, hearth/inference/quantization.py; norms and biases stay dense) on `device` (where a GGUF's 4-bit
     weights are held as stored: quantization.held_as_stored)."""
     scheme = parse_quantization(quantization)
-    if is_gguf_file(model_path):
-        return _gguf_layer_weight_bytes(model_path, compute_dtype, scheme, device)
+    return layer_weight_bytes_of(layer_tensor_specs(model_path), compute_dtype, scheme, device=device)
+
+
+def layer_tensor_specs(model_path: Path) -> list[tuple[str, str, list[int]]]:
+    """Each decoder-layer tensor's (name, stored type, shape) as layer_weight_bytes_of takes them, from a GGUF's
+    tensor table (a folder holding one too) or a folder's safetensors headers (no tensor data is read)."""
+    gguf_path = single_gguf_in(model_path) if model_path.is_dir() else model_path
+    if gguf_path is not None and is_gguf_file(gguf_path):
+        return gguf_layer_tensors(layer_tensor_blocks(gguf_path))
     checkpoint = SafetensorsCheckpoint(model_path)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, file in checkpoint.file_of.items():
@@ -52,7 +59,7 @@ def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,
             for name in names:
                 tensor = handle.get_slice(name)
                 specs.append((name, tensor.get_dtype(), tensor.get_shape()))
-    return layer_weight_bytes_of(specs, compute_dtype, scheme)
+    return specs
 
 
 def layer_weight_bytes_of(tensors: Iterable[tuple[str, str, list[int]]], compute_dtype: torch.dtype,
@@ -100,12 +107,6 @@ def weights_held_as_stored(model_path: Path, quantization: str | QuantizationSch
             if len(shape) == 2 and held_as_stored(scheme, group, shape[0], shape[1], device) is not None:
                 held[block_type] += 1
     return dict(sorted(held.items()))
-
-
-def _gguf_layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype, scheme: QuantizationScheme,
-                             device: torch.device | str) -> dict[int, int]:
-    return layer_weight_bytes_of(gguf_layer_tensors(layer_tensor_blocks(model_path)), compute_dtype, scheme,
-                                 device=device)
 
 
 def _held_bytes(shape: tuple[int, ...], block_type: str, scheme: QuantizationScheme, element: int,

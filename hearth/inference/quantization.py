@@ -41,12 +41,15 @@ from .shared_products import SharedRowProduct
 from .weight_codes import INT4_MIDPOINT, KERNEL_DTYPE, int4_grouped_codes, int8_per_channel, pack_int4_for_cuda
 
 DEFAULT_QUANTIZATION = "none"
+# The setting that serves each checkpoint as it is stored (hearth/inference/stored_precision.py); mirrored by
+# hearth/protocol/quantization_labels.py, which the configuration and the CLI check against without torch.
+AUTO_QUANTIZATION = "auto"
 # Faithful to the 4-bit GGUF blocks (Q4_0, Q4_1: groups of 32) and measured best on their models (BENCHMARKS.md
 # "Quantized shards: quality").
 DEFAULT_INT4_GROUP_SIZE = 32
 # Mirrored by hearth/protocol/quantization_labels.py (which the CLI and configuration check against, without torch).
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
-QUANTIZATION_KINDS: tuple[str, ...] = ("none", "int8", "int4")
+QUANTIZATION_KINDS: tuple[str, ...] = ("none", "int8", "int4")  # most precise first
 # Weights are quantized this many output rows at a time, so the float temporaries stay small and reuse the same
 # freed memory instead of growing the heap; a multiple of the int4 packing's block of 32 rows.
 QUANTIZE_ROWS_PER_CHUNK = 256

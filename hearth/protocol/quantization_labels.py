@@ -51,6 +51,25 @@ def check_runnable_label(text: str) -> str:
     return text
 
 
+# A machine's setting (`--quantize`, [research.distributed_inference.host] quantize), never a label on the wire:
+# each checkpoint served in the precision it is stored in (hearth/inference/stored_precision.py), resolved to a
+# label where the checkpoint is read. hearth/inference/quantization.py's, mirrored (tests check them equal).
+AUTO_QUANTIZATION = "auto"
+QUANTIZE_SETTING_PATTERN = r"^(auto|none|int8|int4(/g[1-9][0-9]{0,4})?)$"
+
+
+def check_runnable_setting(text: str) -> str:
+    """`text` when it is AUTO_QUANTIZATION or a label this version runs (check_runnable_label), else ValueError
+    naming it, in one line."""
+    if text == AUTO_QUANTIZATION:
+        return text
+    try:
+        return check_runnable_label(text)
+    except ValueError as error:
+        raise ValueError(str(error).replace(QUANTIZATION_LABEL_EXPECTED, "expected auto, none, int8, int4 or "
+                                                                         "int4/gN (N: a group size)")) from None
+
+
 def _checked_field(text: str) -> str:
     try:
         return check_quantization_label(text)

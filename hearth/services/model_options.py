@@ -20,15 +20,15 @@ DtypeOption = Annotated[
 
 
 def checked_quantize(value: str | list[str] | None) -> str | list[str] | None:
-    """Every command's --quantize check (a list: each scheme): a label exactly as written on the wire, as the
-    configuration and requests take it, of a scheme this version runs (its int4 group size served), else a usage
+    """Every command's --quantize check (a list: each scheme): auto, or a label exactly as written on the wire, as
+    the configuration and requests take it, of a scheme this version runs (its int4 group size served), else a usage
     error before anything starts."""
-    from hearth.protocol.quantization_labels import check_runnable_label
+    from hearth.protocol.quantization_labels import check_runnable_setting
 
     for label in value if isinstance(value, list) else [value]:
         if label is not None:
             try:
-                check_runnable_label(label)
+                check_runnable_setting(label)
             except ValueError as error:
                 raise typer.BadParameter(str(error)) from None
     return value
@@ -37,9 +37,11 @@ def checked_quantize(value: str | list[str] | None) -> str | list[str] | None:
 QuantizeOption = Annotated[
     Optional[str],
     typer.Option("--quantize", callback=checked_quantize, show_default=False,
-                 help="none|int8|int4|int4/gN: weights held as full precision, int8 per output channel or int4 in "
-                      "groups of N inputs (32, 64, 128 or 256; int4 alone: 32); the CPU, and CUDA (int4 from "
-                      "compute capability 8.0) (default: [research.distributed_inference.host] quantize)."),
+                 help="auto|none|int8|int4|int4/gN: weights held as the checkpoint stores them (auto: a GGUF's "
+                      "4-bit layers as int4, 5- to 8-bit ones as int8, any other checkpoint as none), full "
+                      "precision, int8 per output channel or int4 in groups of N inputs (32, 64, 128 or 256; int4 "
+                      "alone: 32); the CPU, and CUDA (int4 from compute capability 8.0) (default: "
+                      "[research.distributed_inference.host] quantize)."),
 ]
 
 TorchThreadsOption = Annotated[

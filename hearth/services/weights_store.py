@@ -141,19 +141,24 @@ class WeightsManifest(BaseModel):
         """SHA-256 of what this manifest states, whichever keys its objects were published under."""
         return hashlib.sha256(self.model_dump_json(exclude={"objects_version"}).encode()).hexdigest()
 
-    def layer_weight_bytes(self, compute_dtype, quantization, device=default_read_device) -> list[int]:
-        """Bytes each decoder layer takes once loaded in `compute_dtype` under `quantization` on `device`
-        (inference.memory.layer_weight_bytes_of), from the manifest alone."""
+    def layer_tensor_specs(self) -> list[tuple[str, str, list[int]]]:
+        """Each tensor's (name, stored type, shape) as inference.memory.layer_weight_bytes_of takes them (a GGUF's
+        layer tensors named by their layer, of their block types), from the manifest alone."""
         from hearth.inference.gguf_layout import gguf_layer_of
-        from hearth.inference.memory import layer_weight_bytes_of
 
         if not self.tensors:
             raise WeightsStoreError(f"the manifest of {self.name!r} lists no tensor shapes: publish it again")
-        specs = ((name, spec.dtype, spec.shape) for name, spec in self.tensors.items())
-        if self.gguf is not None:  # GGUF tensors by their block types (hearth/inference/memory.py)
-            specs = ((f"layers.{gguf_layer_of(name)}.{name}", spec.dtype, spec.shape)
-                     for name, spec in self.tensors.items() if gguf_layer_of(name) is not None)
-        per_layer = layer_weight_bytes_of(specs, compute_dtype, quantization, device=device)
+        if self.gguf is not None:
+            return [(f"layers.{gguf_layer_of(name)}.{name}", spec.dtype, spec.shape)
+                    for name, spec in self.tensors.items() if gguf_layer_of(name) is not None]
+        return [(name, spec.dtype, spec.shape) for name, spec in self.tensors.items()]
+
+    def layer_weight_bytes(self, compute_dtype, quantization, device=default_read_device) -> list[int]:
+        """Bytes each decoder layer takes once loaded in `compute_dtype` under `quantization` on `device`
+        (inference.memory.layer_weight_bytes_of), from the manifest alone."""
+        from hearth.inference.memory import layer_weight_bytes_of
+
+        per_layer = layer_weight_bytes_of(self.layer_tensor_specs(), compute_dtype, quantization, device=device)
         missing = [index for index in range(self.num_layers) if not per_layer.get(index)]
         if missing:  # a layer that seemed to weigh nothing would be taken on for free
             raise WeightsStoreError(f"the manifest of {self.name!r} lists no tensor of layer {missing[0]} "

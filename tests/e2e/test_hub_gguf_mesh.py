@@ -68,7 +68,7 @@ async def test_ranged_and_whole_file_hosts_of_a_hub_gguf_form_one_pipeline(clust
     result = await chat_once(cluster, ChatRequest(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS))
     assert result.ok, result.final
     assert result.token_ids == expected
-    assert result.frames_of("pipeline")[0].hops == [f"{model}:0-2@hub-host", f"{model}:3-5@file-host"]
+    assert result.frames_of("pipeline")[0].hops == [f"{model}:0-2+int8@hub-host", f"{model}:3-5+int8@file-host"]
     assert fake_hub.downloaded(REPO) == set() and fake_hub.bytes_sent < 2 * path.stat().st_size
 
     # Another orchestrator, not told of the id: the request's name alone makes it fetch the head, by byte ranges.

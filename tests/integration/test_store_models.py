@@ -50,7 +50,7 @@ def _cached_weight_objects(tmp_path) -> set[str]:
 @pytest.mark.parametrize("quantize", ["none", "int8"])
 async def test_a_host_sizes_its_range_from_the_manifest_as_from_the_folder(published, nats_url, tmp_path, quantize):
     scheme = parse_quantization(quantize)
-    layout = await model_layout(f"store:{NAME}", model_id=None, compute_dtype=torch.float32, scheme=scheme,
+    layout = await model_layout(f"store:{NAME}", model_id=None, compute_dtype=torch.float32, quantize=scheme,
                                 nats_url=nats_url, settings=_settings(nats_url))
 
     expected = layer_weight_bytes(published, torch.float32, quantization=scheme)

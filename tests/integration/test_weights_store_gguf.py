@@ -101,6 +101,8 @@ async def test_a_host_loading_the_store_and_one_loading_the_file_advertise_one_d
     try:
         assert from_store.identity.weights_sha256 == from_file.identity.weights_sha256
         assert from_store.identity.model_id == NAME
+        # The default (auto) resolves a range fetched alone as the whole file: its Q8_0 layers held as int8.
+        assert from_store.identity.quantization == from_file.identity.quantization == "int8"
     finally:
         from_store.runner.close()
         from_file.runner.close()
@@ -110,7 +112,7 @@ async def test_a_host_loading_the_store_and_one_loading_the_file_advertise_one_d
 async def test_a_host_sizes_its_range_from_the_manifest_as_from_the_file(published, nats_url, quantize):
     original, _ = published
     scheme = parse_quantization(quantize)
-    layout = await model_layout(f"store:{NAME}", model_id=None, compute_dtype=torch.float32, scheme=scheme,
+    layout = await model_layout(f"store:{NAME}", model_id=None, compute_dtype=torch.float32, quantize=scheme,
                                 nats_url=nats_url, settings=HearthSettings(nats=NatsSettings(url=nats_url)))
     expected = layer_weight_bytes(original, torch.float32, quantization=scheme)
     assert layout.layer_bytes == [expected[index] for index in range(TINY_NUM_LAYERS)]

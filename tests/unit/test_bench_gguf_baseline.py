@@ -16,10 +16,10 @@ NEW_TOKENS = 6
 
 def test_a_gguf_baseline_runs_hearths_one_process_path_with_the_files_weights(tiny_gguf):
     path, reference = tiny_gguf("llama", GGMLQuantizationType.Q8_0)
-    baseline = MonolithicModel(path)
+    baseline = MonolithicModel(path, quantize="none")  # the reference's precision (the default: as stored, int8)
     transformers_model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
 
-    assert baseline.info.baseline == "hearth_local"
+    assert (baseline.info.baseline, baseline.info.quantization) == ("hearth_local", "none")
     assert baseline.info.dtype == "float32"
     assert baseline.info.parameters == sum(p.numel() for p in transformers_model.parameters())
     prompt = baseline.handle(MonolithicJob(kind="prompt", prompt_tokens=PROMPT_TOKENS))

@@ -179,7 +179,7 @@ def test_two_hosts_loading_the_same_q4_gguf_under_int8_hold_the_same_weights(tin
 def test_hosts_and_shards_plan_with_the_device_that_will_hold_the_layers(tiny_gguf):
     """4-bit groups are held as stored only where the device has the int4 kernel: elsewhere the plan counts int8."""
     path, _ = tiny_gguf("llama", GGMLQuantizationType.Q4_1)
-    on = {device: asyncio.run(model_layout(str(path), model_id=None, compute_dtype=torch.float32, scheme=INT8,
+    on = {device: asyncio.run(model_layout(str(path), model_id=None, compute_dtype=torch.float32, quantize=INT8,
                                            nats_url=None, settings=HearthSettings(), device=device)).layer_bytes
           for device in ("cpu", "mps")}
     assert all(cpu < elsewhere for cpu, elsewhere in zip(on["cpu"], on["mps"], strict=True))

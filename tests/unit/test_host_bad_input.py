@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from hearth.services.cli import app
 from hearth.services.common.config import HearthSettings
-from hearth.services.shard.main import ShardInputRefused, resolve_quantization
+from hearth.services.shard.main import ShardInputRefused, quantize_setting
 from tests.integration.tiny_shard_server import MODEL
 
 # Nothing listens there: a command that dialled it would say the broker is unreachable (exit 1), not refuse its input.
@@ -64,7 +64,7 @@ def test_a_budget_that_holds_no_layer_is_one_line_with_its_figures_and_exit_code
 
 def test_a_scheme_the_device_has_no_kernel_for_is_refused_as_input():
     with pytest.raises(ShardInputRefused, match="^--quantize: quantization int8 has no kernel on meta"):
-        resolve_quantization("int8", HearthSettings().research.distributed_inference.host, torch.device("meta"))
+        quantize_setting("int8", HearthSettings().research.distributed_inference.host, torch.device("meta"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refused only where torch sees no CUDA device")

@@ -67,7 +67,7 @@ def test_a_host_plans_from_a_gguf_in_the_hub_cache_offline(served, tmp_path, mon
     hub.requests.clear()
 
     layout = asyncio.run(model_layout(f"{REPO}:{FILE}", model_id=None, compute_dtype=torch.float32,
-                                      scheme=parse_quantization("int8"), nats_url=None, settings=HearthSettings()))
+                                      quantize=parse_quantization("int8"), nats_url=None, settings=HearthSettings()))
 
     assert layout.total_layers == TINY_NUM_LAYERS and layout.served_id == f"{REPO}:{FILE}"
     assert layout.weights_sha256 == weights_sha256(original, cache_dir=tmp_path / "sums") and hub.requests == []

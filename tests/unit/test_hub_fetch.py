@@ -207,7 +207,7 @@ def test_a_host_sizes_its_range_from_headers_alone_then_fetches_only_that_range(
     hub, original, weight_map = served
     monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
     scheme = parse_quantization("int8")
-    layout = asyncio.run(model_layout(REPO, model_id=None, compute_dtype=torch.float32, scheme=scheme, nats_url=None,
+    layout = asyncio.run(model_layout(REPO, model_id=None, compute_dtype=torch.float32, quantize=scheme, nats_url=None,
                                       settings=HearthSettings()))
 
     expected = layer_weight_bytes(original, torch.float32, quantization=scheme)

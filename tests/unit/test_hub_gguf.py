@@ -101,7 +101,7 @@ def test_a_head_read_by_ranges_is_the_files_head_with_its_tokenizer(served, tmp_
 def test_a_host_sizes_its_range_from_the_header_alone(served, tmp_path):
     hub, original = served
     scheme = parse_quantization("int8")
-    layout = asyncio.run(model_layout(REPO, model_id=None, compute_dtype=torch.float32, scheme=scheme, nats_url=None,
+    layout = asyncio.run(model_layout(REPO, model_id=None, compute_dtype=torch.float32, quantize=scheme, nats_url=None,
                                       settings=HearthSettings()))
 
     expected = layer_weight_bytes(original, torch.float32, quantization=scheme)
@@ -127,7 +127,7 @@ def test_an_id_naming_one_of_several_ggufs_serves_that_file(two_ggufs, tmp_path)
     other_digest = weights_sha256(other, cache_dir=tmp_path / "sums")
     assert weights_sha256(path, cache_dir=tmp_path / "s1") == other_digest
     layout = asyncio.run(model_layout(model, model_id=None, compute_dtype=torch.float32,
-                                      scheme=parse_quantization("none"), nats_url=None, settings=HearthSettings()))
+                                      quantize=parse_quantization("none"), nats_url=None, settings=HearthSettings()))
     assert layout.served_id == model and layout.weights_sha256 == other_digest
 
 
@@ -149,7 +149,7 @@ def test_a_4_bit_gguf_sized_from_its_header_counts_its_layers_as_held(two_ggufs)
     _, other = two_ggufs
     int8, stored = parse_quantization("int8"), parse_quantization("int4/g32")
     layout = asyncio.run(model_layout(f"{REPO}:{OTHER_FILE}", model_id=None, compute_dtype=torch.float32,
-                                      scheme=int8, nats_url=None, settings=HearthSettings()))
+                                      quantize=int8, nats_url=None, settings=HearthSettings()))
 
     as_held = layer_weight_bytes(other, torch.float32, quantization=int8)
     assert layout.layer_bytes == [as_held[index] for index in range(TINY_NUM_LAYERS)]

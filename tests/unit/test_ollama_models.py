@@ -61,7 +61,7 @@ def test_an_ollama_model_is_read_from_its_blob_and_advertised_by_its_name(tiny_g
                                                            strict=True))
 
     layout = asyncio.run(model_layout("ollama:tiny:q8", model_id=None, compute_dtype=torch.float32,
-                                      scheme=parse_quantization("int8"), nats_url=None, settings=HearthSettings()))
+                                      quantize=parse_quantization("int8"), nats_url=None, settings=HearthSettings()))
     assert layout.served_id == "ollama:tiny:q8" and layout.weights_sha256 == weights_sha256(source)
     assert publishable_gguf(Path("ollama:tiny:q8")) == blob
 

@@ -66,6 +66,8 @@ MIRRORS = (
      ("hearth/services/devtools/demo_model.py", "GGUF_CACHE_FORMAT")),
     (("hearth/inference/cpu_kernels.py", "DEFAULT_CPU_LINEAR_KERNEL"),
      ("hearth/services/common/config_processes.py", "cpu_linear_kernel")),
+    (("hearth/inference/quantization.py", "AUTO_QUANTIZATION"),
+     ("hearth/protocol/quantization_labels.py", "AUTO_QUANTIZATION")),
 )
 
 @dataclass(frozen=True)

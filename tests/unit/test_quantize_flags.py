@@ -14,30 +14,31 @@ from hearth.inference.memory import layer_weight_bytes
 from hearth.inference.quantization import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 from hearth.protocol import quantization_labels as labels
 from hearth.services.host.planner import choose_range, replicas_per_layer
-from hearth.services.shard.main import ShardRefused, resolve_quantization
+from hearth.services.shard.main import ShardRefused, quantize_setting, resolve_quantization
 from tests.unit.inference_tiny_models import write_tiny_model
 from tests.unit.test_router_quantization import candidate
 
 CPU = torch.device("cpu")
 
 
-def test_the_flag_wins_over_the_host_setting_which_defaults_to_none():
-    assert resolve_quantization(None, HostSettings(), CPU).label == "none"
-    assert resolve_quantization(None, HostSettings(quantize="int8"), CPU).label == "int8"
-    assert resolve_quantization("int4", HostSettings(quantize="int8"), CPU).label == f"int4/g{DEFAULT_INT4_GROUP_SIZE}"
+def test_the_flag_wins_over_the_host_setting_which_defaults_to_auto():
+    assert quantize_setting(None, HostSettings(), CPU) == "auto"
+    assert quantize_setting(None, HostSettings(quantize="int8"), CPU) == "int8"
+    assert quantize_setting("int4", HostSettings(quantize="int8"), CPU) == "int4"
+    assert resolve_quantization("int4", (), CPU).label == f"int4/g{DEFAULT_INT4_GROUP_SIZE}"
 
 
 @pytest.mark.parametrize(("value", "named"), [("int3", "'int3'"), ("int4/g7", "group size 7"), ("fp8", "'fp8'")])
 def test_a_bad_scheme_is_one_line_naming_the_option(value, named):
     with pytest.raises(ShardRefused) as refused:
-        resolve_quantization(value, HostSettings(), CPU)
+        quantize_setting(value, HostSettings(), CPU)
     message = str(refused.value)
     assert message.startswith("--quantize: ") and named in message and "\n" not in message
 
 
 def test_a_scheme_without_a_kernel_on_the_device_is_refused():
     with pytest.raises(ShardRefused, match="--quantize: .*mps"):
-        resolve_quantization("int8", HostSettings(), torch.device("mps"))
+        quantize_setting("int8", HostSettings(), torch.device("mps"))
 
 
 def test_the_config_key_refuses_a_malformed_scheme():
@@ -62,8 +63,8 @@ def test_the_config_key_refuses_a_group_size_no_kernel_serves():
 def test_every_command_refuses_a_malformed_scheme_alike_before_starting_anything(command, label):
     result = CliRunner().invoke(app, [*command, "--quantize", label])
     assert result.exit_code == 2, result.output
-    assert f"Invalid value for '--quantize': {label!r} names no scheme: expected none, int8, int4 or int4/gN" \
-        in result.output, result.output
+    assert f"Invalid value for '--quantize': {label!r} names no scheme: expected auto, none, int8, int4 or " \
+           "int4/gN" in " ".join(result.output.split()), result.output
     assert "Traceback" not in result.output
 
 

@@ -45,7 +45,7 @@ from hearth.services.common.config_processes import (
 from hearth.services.common.nats_urls import checked_nats_url
 from hearth.services.common.config_sections import ClientSettings, ConfigSection, GatewaySettings, MetricsSettings
 from hearth.protocol.bounds import max_int8_block_elems
-from hearth.protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN, check_runnable_label
+from hearth.protocol.quantization_labels import AUTO_QUANTIZATION, QUANTIZE_SETTING_PATTERN, check_runnable_setting
 
 
 CONFIG_PATH_ENV = "HEARTH_CONFIG"
@@ -93,11 +93,13 @@ class HostSettings(ConfigSection):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="compute dtype: auto is bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on "
                                     "the CPU; --dtype wins")
-    quantize: Annotated[str, AfterValidator(check_runnable_label)] = Field(
-        default="none", pattern=QUANTIZATION_LABEL_PATTERN,
+    quantize: Annotated[str, AfterValidator(check_runnable_setting)] = Field(
+        default=AUTO_QUANTIZATION, pattern=QUANTIZE_SETTING_PATTERN,
         description="weights of the layers this machine serves (shards, an orchestrator's head and local model): "
-                    "none, int8 (per output channel) or int4, int4/gN (groups of N inputs: 32, 64, 128 or 256); "
-                    "CPU, and CUDA (int4 from compute capability 8.0); --quantize wins")
+                    "auto (as the checkpoint stores them: a GGUF whose layers are mostly 4-bit blocks as int4, "
+                    "mostly 5- to 8-bit blocks as int8, any other checkpoint as none), none, int8 (per output "
+                    "channel) or int4, int4/gN (groups of N inputs: 32, 64, 128 or 256); CPU, and CUDA (int4 from "
+                    "compute capability 8.0; auto takes int8 there instead); --quantize wins")
 
 
 class DistributedInferenceSettings(ConfigSection):

@@ -91,7 +91,7 @@ def memory_check(source: ModelSource, manifest, settings: HearthSettings, *, mem
     from hearth.inference.memory import shown_mb
     from hearth.services.host.main import budget_refusal, with_memory_budget
     from hearth.services.host.planner import widest_fit
-    from hearth.services.shard.main import ShardInputRefused, resolve_compute, resolve_quantization
+    from hearth.services.shard.main import ShardInputRefused, quantize_setting, resolve_compute, resolve_quantization
     from hearth.services.shard.memory_plan import kv_reserve_bytes
     from hearth.services.weights_store import WeightsStoreError
 
@@ -100,11 +100,14 @@ def memory_check(source: ModelSource, manifest, settings: HearthSettings, *, mem
     host = settings.research.distributed_inference.host
     try:
         compute_device, compute_dtype = resolve_compute(device, dtype, host)
-        scheme = resolve_quantization(quantize, host, compute_device)
+        setting = quantize_setting(quantize, host, compute_device)
     except ShardInputRefused as error:
         return fail("memory", str(error))
     try:
+        scheme = resolve_quantization(setting, _resolved_from(source, manifest), compute_device)
         layer_bytes = _layer_bytes(source, manifest, compute_dtype, scheme, compute_device)
+    except ShardInputRefused as error:
+        return fail("memory", str(error))
     except (InferenceError, WeightsStoreError, ValueError, KeyError, OSError) as error:
         return fail("memory", f"the layers of {source.model} cannot be weighed: {first_line(error)}")
     shard = with_memory_budget(settings, memory_budget_mb).shard
@@ -126,21 +129,39 @@ def memory_check(source: ModelSource, manifest, settings: HearthSettings, *, mem
                         f"{held}, on {compute_device} ({shown_mb(kv_reserve_bytes(shard))} MB of it the KV reserve)")
 
 
-def _layer_bytes(source: ModelSource, manifest, compute_dtype, scheme, device) -> list[int]:
-    """Each layer's bytes as the device holds them: from the store's manifest, a folder's safetensors headers or a
-    GGUF's header (what hearth/inference/memory.py counts)."""
+def _layer_tensors(source: ModelSource, manifest) -> list[tuple[str, str, list[int]]]:
+    """Each layer tensor's (name, stored type, shape): from the store's manifest, a folder's safetensors headers or
+    a GGUF's header (what hearth/inference/memory.py counts)."""
     from hearth.inference.gguf_tensor_table import gguf_layer_tensors, layer_blocks_of
-    from hearth.inference.memory import layer_weight_bytes, layer_weight_bytes_of
+    from hearth.inference.memory import layer_tensor_specs
+
+    if manifest is not None:
+        return manifest.layer_tensor_specs()
+    local = source.local
+    assert local is not None
+    if local.gguf_header is None:
+        return layer_tensor_specs(local.path)
+    return gguf_layer_tensors(layer_blocks_of((tensor.name, tensor.shape, tensor.block_type)
+                                              for tensor in local.gguf_header.split.tensors))
+
+
+def _resolved_from(source: ModelSource, manifest):
+    """What auto resolves the model's scheme from (hearth/inference/stored_precision.py): a local checkpoint itself
+    (a whole GGUF's file type), else its layer tensors."""
+    if manifest is None and source.local is not None:
+        return source.local.path
+    return _layer_tensors(source, manifest)
+
+
+def _layer_bytes(source: ModelSource, manifest, compute_dtype, scheme, device) -> list[int]:
+    """Each layer's bytes as the device holds them (_layer_tensors' tensors, counted by
+    hearth/inference/memory.py)."""
+    from hearth.inference.memory import layer_weight_bytes_of
     from hearth.services.host.model_layout import each_layers_bytes
 
     if manifest is not None:
         return manifest.layer_weight_bytes(compute_dtype, scheme, device)
     local = source.local
     assert local is not None
-    if local.gguf_header is None:
-        per_layer = layer_weight_bytes(local.path, compute_dtype, quantization=scheme, device=device)
-    else:
-        blocks = layer_blocks_of((tensor.name, tensor.shape, tensor.block_type)
-                                 for tensor in local.gguf_header.split.tensors)
-        per_layer = layer_weight_bytes_of(gguf_layer_tensors(blocks), compute_dtype, scheme, device=device)
+    per_layer = layer_weight_bytes_of(_layer_tensors(source, None), compute_dtype, scheme, device=device)
     return each_layers_bytes(source.model, local.total_layers, per_layer)

@@ -53,8 +53,8 @@ from hearth.services.shard.main import (
     configure_torch_threads,
     default_node_id,
     load_shard,
+    quantize_setting,
     resolve_compute,
-    resolve_quantization,
     serve_loaded_shard,
 )
 from hearth.services.shard.claim import ShardIdTaken
@@ -167,19 +167,20 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     configure_torch_threads(torch_threads)
     node = node_id or default_node_id()
     compute_device, compute_dtype = resolve_compute(device, dtype, host)
-    scheme = resolve_quantization(quantize, host, compute_device)
+    setting = quantize_setting(quantize, host, compute_device)
     try:
         layout = await unless_stopped(model_layout(model, model_id=model_id, compute_dtype=compute_dtype,
-                                                   scheme=scheme, device=compute_device, nats_url=nats_url,
+                                                   quantize=setting, device=compute_device, nats_url=nats_url,
                                                    settings=settings), stop_event)
-    except Stopped:
+    except (Stopped, ShardInputRefused):
         raise
     except (InferenceError, WeightsStoreError, ValueError, KeyError, OSError) as error:
         line = f"cannot plan a range of {model}: {(str(error).splitlines() or [repr(error)])[0]}"
         raise unreadable_model(model, line, error) from None
     except Exception as error:  # the broker's refusals and timeouts while reading the store's manifest
         raise ShardRefused(f"cannot read {model} from the store: {type(error).__name__}: {error}") from None
-    total_layers, layer_bytes, served_id = layout.total_layers, layout.layer_bytes, layout.served_id
+    total_layers, layer_bytes, served_id, scheme = layout.total_layers, layout.layer_bytes, layout.served_id, \
+        layout.scheme
     digest = layout.weights_sha256
     budget_bytes = await planned_budget_bytes(shard, compute_device, node)
     weights_budget = budget_bytes - kv_reserve_bytes(shard)

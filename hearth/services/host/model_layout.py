@@ -28,6 +28,7 @@ from hearth.inference.memory import layer_weight_bytes, layer_weight_bytes_of
 from hearth.inference.ollama_models import served_model_id
 from hearth.inference.quantization import QuantizationScheme
 from hearth.services.common.config import HearthSettings
+from hearth.services.shard.main import resolve_quantization
 from hearth.services.weights_store import read_manifest, refusals_told, store_model_name
 
 
@@ -40,32 +41,39 @@ class ModelLayout:
     layer_bytes: list[int]
     weights_sha256: str
     served_id: str
+    # What the host's --quantize setting serves this model in (auto resolved from its stored types).
+    scheme: QuantizationScheme
 
 
-async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch.dtype, scheme: QuantizationScheme,
+async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch.dtype,
+                       quantize: str | QuantizationScheme,
                        nats_url: str | None, settings: HearthSettings,
                        device: torch.device | str = default_read_device) -> ModelLayout:
-    """The ModelLayout of `model` (a folder, GGUF file, hub id or `store:NAME`) as `device` will hold it;
-    CheckpointError or WeightsStoreError (one line) when it cannot be read."""
+    """The ModelLayout of `model` (a folder, GGUF file, hub id or `store:NAME`) as `device` will hold it under the
+    `quantize` setting (hearth/services/shard/main.quantize_setting's); CheckpointError or WeightsStoreError (one
+    line) when it cannot be read, ShardInputRefused when `device` has no kernel for the scheme."""
     if (name := store_model_name(model)) is not None:
         manifest = await _store_manifest(name, nats_url, settings)
+        scheme = resolve_quantization(quantize, manifest.layer_tensor_specs(), device)
         return ModelLayout(manifest.num_layers, manifest.layer_weight_bytes(compute_dtype, scheme, device),
-                           manifest.weights_sha256, model_id or name)
+                           manifest.weights_sha256, model_id or name, scheme)
     local = await asyncio.to_thread(local_checkpoint, model)
     if local is None:
         layout = await asyncio.to_thread(hub_layout, model)
         total = int(layout.config["num_hidden_layers"])
+        scheme = resolve_quantization(quantize, layout.tensors, device)
         per_layer = layer_weight_bytes_of(layout.tensors, compute_dtype, scheme, device=device)
-        return ModelLayout(total, each_layers_bytes(model, total, per_layer), layout.weights_sha256, model_id or model)
+        return ModelLayout(total, each_layers_bytes(model, total, per_layer), layout.weights_sha256,
+                           model_id or model, scheme)
     total = int(read_config_dict(local)["num_hidden_layers"])
     if is_gguf_file(local):  # refused while planning, not once a range is announced and loading it fails
         await asyncio.to_thread(check_layer_block_types, local)
-    per_layer = await asyncio.to_thread(layer_weight_bytes, local, compute_dtype, quantization=scheme,
-                                       device=device)
+    scheme = await asyncio.to_thread(resolve_quantization, quantize, local, device)
+    per_layer = await asyncio.to_thread(layer_weight_bytes, local, compute_dtype, quantization=scheme, device=device)
     digest = await asyncio.to_thread(weights_sha256, local)
     served_id = model_id or (default_model_id(local) if Path(model).expanduser().exists()
                              else served_model_id(model))
-    return ModelLayout(total, each_layers_bytes(model, total, per_layer), digest, served_id)
+    return ModelLayout(total, each_layers_bytes(model, total, per_layer), digest, served_id, scheme)
 
 
 def each_layers_bytes(model: str, total: int, per_layer: dict[int, int]) -> list[int]:

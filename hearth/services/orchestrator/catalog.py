@@ -34,7 +34,7 @@ from hearth.inference.heap import release_freed_heap
 from hearth.inference.quantization import QuantizationScheme, parse_quantization
 from hearth.inference.token_bounds import TokenLowerBound
 from hearth.inference.partial_checkpoint import NeededTensors
-from hearth.protocol.quantization_labels import accepts
+from hearth.protocol.quantization_labels import AUTO_QUANTIZATION, accepts
 from hearth.services.common.config_processes import ShardSettings
 from hearth.services.common.hearth_files import data_dir
 from hearth.services.orchestrator.local_fetch import on_daemon_thread
@@ -137,7 +137,8 @@ class ModelCatalog:
 
     def use_compute(self, device, dtype, quantization: QuantizationScheme | str = "none") -> None:
         """Load heads and the local model onto `device` (a torch.device) in `dtype` (inference.devices), their
-        weights held as `quantization` says (inference.quantization)."""
+        weights held as `quantization` says (inference.quantization; auto: each checkpoint as it stores them,
+        inference.stored_precision)."""
         self._compute = {"device": device, "dtype": dtype, "quantization": quantization}
 
     def use_store(self, jetstream) -> None:
@@ -365,12 +366,14 @@ class ModelCatalog:
                               wait_for_fetch: bool = False) -> LocalModel | None:
         """The whole model for local fallback (None while fetched, unless `wait_for_fetch`), when this orchestrator was
         given the same checkpoint and holds it in a scheme that `quantization` (a call's; None: any) accepts."""
-        if self.local is None or not accepts(quantization, parse_quantization(self._compute.get("quantization")).label):
-            return None
+        setting = self._compute.get("quantization")
+        if self.local is None or (setting != AUTO_QUANTIZATION
+                                  and not accepts(quantization, parse_quantization(setting).label)):
+            return None  # refused without loading it
         local = await self.local.model(self._compute, wait_for_fetch=wait_for_fetch)
         same_checkpoint = local is not None and (local.info.model_id, self.local.weights_sha256) == (
             loaded.model_id, loaded.weights_sha256)
-        return local if same_checkpoint else None
+        return local if same_checkpoint and accepts(quantization, local.runner.quantization) else None
 
     async def release_freed_heap(self) -> None:
         """Hand the heap that finished calls freed (a long prompt's embeddings, the local model's caches) back to

@@ -24,6 +24,7 @@ from hearth.inference.devices import resolve_placement
 from hearth.inference.errors import InferenceError, first_line
 from hearth.inference.loading import check_checkpoint
 from hearth.inference.quantization import QuantizationError, check_device_supports, parse_quantization
+from hearth.protocol.quantization_labels import AUTO_QUANTIZATION
 
 # What an orchestrator's clock beyond [events] max_clock_skew_s of the broker's does (hearth/events/broker_clock.py).
 ORCHESTRATOR_CLOCK_CONSEQUENCE = ("members' calls are refused as stale and shards refuse its opens; ahead, its "
@@ -107,8 +108,9 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
     host = settings.research.distributed_inference.host
     try:  # before connecting: a bad option is one line, whether or not a broker is reachable
         device, dtype = resolve_placement(options.device or host.device, options.dtype or host.dtype)
-        scheme = parse_quantization(options.quantize or host.quantize)
-        check_device_supports(scheme, device)
+        quantize = options.quantize or host.quantize  # auto: resolved per model as its head loads
+        if quantize != AUTO_QUANTIZATION:
+            check_device_supports(parse_quantization(quantize), device)
     except QuantizationError as error:  # the caller's input, as for `hearth host` and `hearth shard`: exit 2
         raise CommandInputRefused(f"--quantize: {error}") from None
     except ValueError as error:
@@ -121,7 +123,7 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
                                 model_search_dirs=list(options.model_search_dirs), local_model=options.local_model,
                                 busy_threads=options.busy_threads,
                                 outbox_dir=settings.orchestrator.event_outbox_dir or state_dir("event-outbox"))
-    orchestrator.catalog.use_compute(device, dtype, quantization=scheme)
+    orchestrator.catalog.use_compute(device, dtype, quantization=quantize)
     orchestrator.catalog.use_store(nc.jetstream())  # `store:NAME` models come through this connection
     metrics_server = None
     clock_watch = broker_clock_watch(nc, settings, PIPELINES_STREAM, f"orchestrator {options.node_id}",

@@ -7,7 +7,7 @@ import logging
 import re
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +15,7 @@ import torch
 
 from hearth.events.models import default_hop_weight
 from hearth.events.streams import SHARDS_STREAM
+from hearth.protocol.quantization_labels import AUTO_QUANTIZATION
 from hearth.protocol.subjects import shard_control_subject, shard_id_for
 from hearth.inference import InferenceError, LayerRangeRunner, load_layer_range, weights_sha256
 from hearth.inference.checkpoint import is_local_model
@@ -22,9 +23,9 @@ from hearth.inference.compute_thread import StepThreads, on_compute_thread
 from hearth.inference.ollama_models import served_model_id
 from hearth.inference.devices import describe_device, device_memory_allocated_bytes, resolve_placement
 from hearth.inference.memory import megabytes
-from hearth.inference.quantization import (
-    QuantizationError, QuantizationScheme, check_device_supports, parse_quantization,
-)
+from hearth.inference.quantization import QuantizationError, QuantizationScheme, check_device_supports, \
+    parse_quantization
+from hearth.inference.stored_precision import resolved_scheme
 from hearth.services.common.config import HearthSettings, HostSettings
 from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
 from hearth.services.common.event_trust import broker_clock_watch
@@ -119,15 +120,29 @@ def resolve_compute(device: str | None, dtype: str | None, host: HostSettings) -
         raise ShardInputRefused(str(error)) from None
 
 
-def resolve_quantization(quantize: str | None, host: HostSettings, device: torch.device) -> QuantizationScheme:
-    """The weight quantization scheme from the command line, else the host settings; ShardInputRefused when it is
-    malformed or `device` has no kernel for it."""
+def quantize_setting(quantize: str | None, host: HostSettings, device: torch.device) -> str:
+    """The weight quantization setting from the command line, else the host settings: auto (resolved per checkpoint
+    by resolve_quantization) or a scheme's label; ShardInputRefused when it is malformed or `device` has no kernel
+    for the scheme it names, before any checkpoint is read."""
+    setting = quantize or host.quantize
+    if setting != AUTO_QUANTIZATION:
+        try:
+            check_device_supports(parse_quantization(setting), device)
+        except QuantizationError as error:
+            raise ShardInputRefused(f"--quantize: {_first_line(error)}") from None
+    return setting
+
+
+def resolve_quantization(setting: str | QuantizationScheme,
+                         checkpoint: Path | Iterable[tuple[str, str, list[int]]],
+                         device: torch.device) -> QuantizationScheme:
+    """The scheme `setting` (quantize_setting's) serves `checkpoint` in on `device` (a local checkpoint, or its
+    layers' (name, stored type, shape): hearth/inference/stored_precision.py); ShardInputRefused when `device` has no
+    kernel for it. Reads the checkpoint's headers: off the event loop."""
     try:
-        scheme = parse_quantization(quantize or host.quantize)
-        check_device_supports(scheme, device)
+        return resolved_scheme(setting, checkpoint, device)
     except QuantizationError as error:
         raise ShardInputRefused(f"--quantize: {_first_line(error)}") from None
-    return scheme
 
 
 async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: HearthSettings, model_id: str | None,
@@ -141,9 +156,10 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
     (only lo..hi's objects are fetched from the community's store through the broker at `nats_url`)."""
     host, shard = settings.research.distributed_inference.host, settings.shard
     compute_device, compute_dtype = resolve_compute(device, dtype, host)
-    scheme = resolve_quantization(quantize, host, compute_device)
+    setting = quantize_setting(quantize, host, compute_device)
     model_path = await fetch_model(model, (lo, hi), nats_url=nats_url, settings=settings, stop_event=stop_event)
     try:
+        scheme = await asyncio.to_thread(resolve_quantization, setting, model_path, compute_device)
         estimate = await asyncio.to_thread(estimated_need, model_path, lo, hi, compute_dtype, shard, scheme,
                                            compute_device)
     except (InferenceError, ValueError, OSError) as error:

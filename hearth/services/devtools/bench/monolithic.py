@@ -20,6 +20,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from hearth.formats.gguf_support import is_gguf_file
+from hearth.protocol.quantization_labels import AUTO_QUANTIZATION
 from hearth.services.common.hearth_files import SOURCES_ROOT
 from hearth.services.devtools.bench.errors import BenchError
 from hearth.services.devtools.bench.prompts import build_prompt
@@ -60,6 +61,8 @@ class MonolithicInfo(BaseModel):
     torch_threads: int
     torch_version: str
     baseline: BaselinePath = "generate"
+    # The scheme its weights are held in (the bench's --quantize, auto resolved from the checkpoint).
+    quantization: str = "none"
 
 
 class MonolithicModel:
@@ -77,16 +80,16 @@ class MonolithicModel:
         self._torch = torch
         self.path = path
         self._device_options = (device, dtype)
-        self._quantize = quantize or "none"
+        self._quantize = quantize or AUTO_QUANTIZATION
         self._local = None
         if is_gguf_file(path):
             local = self._local_model()
             self.tokenizer = local.head.tokenizer
             self.info = MonolithicInfo(parameters=gguf_parameters(path), dtype=local.info.dtype_name,
                                        torch_threads=torch.get_num_threads(), torch_version=torch.__version__,
-                                       baseline="hearth_local")
+                                       baseline="hearth_local", quantization=local.runner.quantization)
             return
-        self._load_transformers(device, dtype, quantize)
+        self._load_transformers(device, dtype, self._quantize)
 
     def _load_transformers(self, device: str | None, dtype: str | None, quantize: str | None) -> None:
         torch = self._torch
@@ -104,25 +107,26 @@ class MonolithicModel:
         # Counted before quantizing: quantized Linears hold their weights in buffers, not parameters.
         parameters = sum(p.numel() for p in self.model.parameters())
         dense_dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        if quantize:  # the weights as the mesh holds them: layers in the scheme, the lm_head as load_head keeps it
-            from hearth.inference.quantization import (
-                QuantizedLinear,
-                check_device_supports,
-                head_quantization,
-                parse_quantization,
-                quantize_linears,
-            )
+        from hearth.inference.quantization import (
+            QuantizedLinear,
+            check_device_supports,
+            head_quantization,
+            quantize_linears,
+        )
+        from hearth.inference.stored_precision import resolved_scheme
 
-            scheme = parse_quantization(quantize)
+        # The weights as the mesh holds them: layers in the scheme, the lm_head as load_head keeps it.
+        scheme = resolved_scheme(quantize, path, self.device)
+        if scheme.quantized:
             check_device_supports(scheme, self.device)
             for layer in self.model.get_decoder().layers:
                 quantize_linears(layer, scheme)
             lm_head = self.model.get_output_embeddings()
-            if scheme.quantized and type(lm_head) is torch.nn.Linear and head_quantization(self.device):
+            if type(lm_head) is torch.nn.Linear and head_quantization(self.device):
                 self.model.set_output_embeddings(QuantizedLinear(lm_head, head_quantization(self.device)))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.info = MonolithicInfo(parameters=parameters, dtype=dense_dtype, torch_threads=torch.get_num_threads(),
-                                   torch_version=torch.__version__)
+                                   torch_version=torch.__version__, quantization=scheme.label)
 
     def handle(self, job: MonolithicJob) -> MonolithicReply:
         if job.kind == "prompt":

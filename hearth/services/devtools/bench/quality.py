@@ -16,10 +16,11 @@ from pydantic import BaseModel
 from tqdm import tqdm
 
 from hearth.inference import (
-    CheckpointError, InferenceError, LocalModel, QuantizationError, load_full, parse_quantization, read_config_dict,
+    CheckpointError, InferenceError, LocalModel, QuantizationError, load_full, read_config_dict,
 )
 from hearth.inference.gguf_int4 import STORED_INT4_GROUP_SIZES
 from hearth.inference.memory import weights_held_as_stored
+from hearth.inference.stored_precision import resolved_scheme
 from hearth.services.devtools.bench.eval_options import EVAL_MAX_TEXT_BYTES, EvalOptions
 from hearth.services.devtools.bench.quality_metrics import QualityTotals, compare_logits
 from hearth.services.cli_options import EXIT_BAD_INPUT
@@ -90,11 +91,11 @@ def evaluate(options: EvalOptions) -> EvalReport:
     """Every scheme of ``options`` against float32 over the text's windows; the float32 model stays loaded and one
     quantized model at a time beside it."""
     text = read_eval_text(options.text)
-    schemes = [_scheme(label) for label in options.schemes]
     try:
         model_path = resolve_demo_model(options.model).path
     except (DemoError, UnknownRandomShape) as error:
         raise EvalInputError(str(error)) from None
+    schemes = [_scheme(label, model_path) for label in options.schemes]
     _check_context(model_path, options.context_tokens)
     reference = _load_whole(model_path, "none")
     try:
@@ -199,9 +200,10 @@ def read_eval_text(path: Path) -> str:
     return text
 
 
-def _scheme(label: str):
+def _scheme(label: str, model_path: Path):
+    """The scheme `label` names (auto: the one the model is stored in, hearth/inference/stored_precision.py)."""
     try:
-        return parse_quantization(label)
+        return resolved_scheme(label, model_path, "cpu")
     except QuantizationError as error:
         raise EvalInputError(f"--quantize: {error}") from None
 

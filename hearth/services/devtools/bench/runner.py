@@ -52,6 +52,7 @@ from hearth.services.devtools.bench.transport_metrics import (
 )
 from hearth.services.devtools.local_cluster import LocalCluster, even_layer_ranges
 from hearth.protocol.chat import ChatParams
+from hearth.protocol.quantization_labels import AUTO_QUANTIZATION
 from hearth.services.devtools.core_sharing import quiet_torch_environment
 from hearth.services.common.lifecycle import run_event_loop
 from hearth.services.devtools.demo import default_shards, resolve_demo_model
@@ -110,7 +111,8 @@ class BenchOptions:
 
     def placement_args(self) -> list[str]:
         return [*(["--device", self.device] if self.device else []), *(["--dtype", self.dtype] if self.dtype else []),
-                *(["--quantize", self.quantize] if self.quantize else [])]
+                # Stated, not left to the configuration: the one-process baseline resolves the same setting.
+                "--quantize", self.quantize or AUTO_QUANTIZATION]
 
 
 def _progress(text: str) -> None:
@@ -262,7 +264,7 @@ class Bench:
             model={"spec": options.model or "bundled", "path": str(model.path), "layers": model.num_layers,
                    "parameters": info.parameters, "dtype": info.dtype},
             settings={"device": options.device or "cpu", "dtype": options.dtype or "checkpoint's",
-                      "quantization": options.quantize or "none",
+                      "quantization": info.quantization,
                       "shards": options.shards, "layer_ranges": even_layer_ranges(model.num_layers, options.shards),
                       "prompt_tokens": len(prompt_ids), "new_tokens": options.new_tokens, "repeats": options.repeats,
                       "sessions": options.sessions, "process_torch_threads": options.torch_threads,
