@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -229,6 +229,15 @@ class GGUFCheckpoint:
             return np.ascontiguousarray(values, dtype=np.float32)
 
         return rows
+
+    def row_chunks(self, name: str, rows_per_chunk: int) -> Iterator[np.ndarray]:
+        """The 2-D tensor `name` read whole, `rows_per_chunk` rows at a time (float32, each chunk exactly as `read`
+        gives those rows) and counted in bytes_read once all are read: a caller building its own copy of it (a
+        float16 lm_head) never holds it whole in float32."""
+        read_rows, stored = self.row_reader(name), self._stored(name)
+        for lo in range(0, stored.shape[0], rows_per_chunk):
+            yield read_rows(np.arange(lo, min(stored.shape[0], lo + rows_per_chunk)))
+        self.bytes_read += int(stored.n_bytes)
 
     def stop_token_ids(self) -> set[int]:
         """End-of-generation token ids the GGUF names (eos, end of turn, end of message)."""

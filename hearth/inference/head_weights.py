@@ -4,6 +4,9 @@ quantized already (a GGUF's Q8_0, Q6_K ...) on a CPU with a fast float16 product
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,7 +20,7 @@ FAST_HALF_CPU_CAPABILITIES = ("AVX2", "AVX512")
 # The largest |logit| a HalfPrecisionHead may produce for a row of largest magnitude 1 (its rows' absolute sums):
 # below float16's largest finite value, with room for the sum's rounding.
 _HALF_OUTPUT_LIMIT = 0.5 * torch.finfo(torch.float16).max
-_FITS_ROWS_PER_CHUNK = 4096
+HALF_HEAD_ROWS_PER_CHUNK = 4096  # rows checked (and built from a checkpoint's rows) at a time
 
 
 def half_head_supported(device: torch.device | str) -> bool:
@@ -35,11 +38,36 @@ class HalfPrecisionHead(nn.Module):
     product of several rows takes about as long as as many one-row products: BENCHMARKS.md "A GGUF's quantized head
     in float16")."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """`weight`: float16 [out_features, in_features]; `bias`: float32 or None."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", linear.weight.detach().to(torch.float16))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def of_linear(cls, linear: nn.Linear) -> HalfPrecisionHead:
+        return cls(linear.weight.detach().to(torch.float16),
+                   None if linear.bias is None else linear.bias.detach().float())
+
+    @classmethod
+    def of_row_chunks(cls, chunks: Iterable[np.ndarray], out_features: int, in_features: int,
+                      dtype: torch.dtype) -> HalfPrecisionHead | None:
+        """The head of a bias-free lm_head given as consecutive float32 row chunks (a checkpoint's row_chunks), each
+        taken to the compute `dtype` and then to float16, as of_linear takes a loaded one; None as soon as a chunk
+        does not fit float16. Only one chunk is ever held beside the float16 weight."""
+        weight = torch.empty(out_features, in_features, dtype=torch.float16)
+        done = 0
+        with torch.inference_mode():
+            for chunk in chunks:
+                rows = torch.from_numpy(chunk).to(dtype)
+                if not _rows_fit(rows):
+                    return None
+                weight[done:done + rows.shape[0]] = rows.to(torch.float16)
+                done += rows.shape[0]
+        if done != out_features:
+            raise ValueError(f"the lm_head's rows came to {done}, not {out_features}")
+        return cls(weight)
 
     @staticmethod
     def fits(linear: nn.Linear) -> bool:
@@ -47,8 +75,7 @@ class HalfPrecisionHead(nn.Module):
         them)."""
         weight = linear.weight.detach()
         with torch.inference_mode():  # a few rows at a time: no temporary the size of the whole matrix
-            return all(float(rows.abs().sum(dim=1, dtype=torch.float32).amax()) < _HALF_OUTPUT_LIMIT
-                       for rows in weight.split(_FITS_ROWS_PER_CHUNK))
+            return all(_rows_fit(rows) for rows in weight.split(HALF_HEAD_ROWS_PER_CHUNK))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         rows = hidden_states.reshape(-1, self.in_features)
@@ -61,6 +88,18 @@ class HalfPrecisionHead(nn.Module):
         return logits.reshape(*hidden_states.shape[:-1], self.out_features)
 
 
+def _rows_fit(rows: torch.Tensor) -> bool:
+    return float(rows.abs().sum(dim=1, dtype=torch.float32).amax()) < _HALF_OUTPUT_LIMIT
+
+
+def holds_half_head(lm_head: nn.Module, scheme: QuantizationScheme, device: torch.device,
+                    stored_quantized: bool) -> bool:
+    """Whether served_lm_head serves `lm_head` (loaded or still on the meta device) from a HalfPrecisionHead, as far
+    as its rows' magnitudes allow (HalfPrecisionHead.fits)."""
+    return (scheme.quantized and type(lm_head) is nn.Linear and head_quantization(device) is not None
+            and stored_quantized and half_head_supported(device))
+
+
 def served_lm_head(lm_head: nn.Module, scheme: QuantizationScheme, device: torch.device,
                    stored_quantized: bool) -> nn.Module:
     """The module a head serves `lm_head` with under `scheme`: unchanged at full precision (or on a device where no
@@ -71,6 +110,6 @@ def served_lm_head(lm_head: nn.Module, scheme: QuantizationScheme, device: torch
         return lm_head
     if not stored_quantized:
         return QuantizedLinear(lm_head, head_quantization(device))
-    if half_head_supported(device) and HalfPrecisionHead.fits(lm_head):
-        return HalfPrecisionHead(lm_head)
+    if holds_half_head(lm_head, scheme, device, stored_quantized) and HalfPrecisionHead.fits(lm_head):
+        return HalfPrecisionHead.of_linear(lm_head)
     return lm_head
