@@ -5,6 +5,7 @@ int4, of 5- to 8-bit blocks as int8, floats and safetensors as none), resolved w
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -101,14 +102,17 @@ def test_a_heads_lm_head_is_held_as_its_weight_is_stored(tiny_gguf):
     assert type(load_head(stored_floats, quantization="auto")._lm_head) is torch.nn.Linear
 
 
-def test_a_shard_and_a_hosts_plan_under_the_default_serve_a_q4_gguf_as_int4(tiny_gguf):
+def test_a_shard_and_a_hosts_plan_under_the_default_serve_a_q4_gguf_as_int4(tiny_gguf, caplog):
     path, _ = tiny_gguf("llama", GGMLQuantizationType.Q4_1)
     settings = HearthSettings()
     assert settings.research.distributed_inference.host.quantize == "auto"
-    loaded = asyncio.run(load_shard(model=str(path), lo=0, hi=1, node="n1", settings=settings, model_id=None,
-                                    device="cpu", dtype="fp32", stop_event=asyncio.Event()))
+    with caplog.at_level(logging.INFO, logger="hearth.services.shard.main"):
+        loaded = asyncio.run(load_shard(model=str(path), lo=0, hi=1, node="n1", settings=settings, model_id=None,
+                                        device="cpu", dtype="fp32", stop_event=asyncio.Event()))
     try:
         assert loaded.identity.quantization == "int4/g32" and loaded.identity.shard_id.endswith("+int4/g32@n1")
+        assert f"layers 0-1 of {path} served in int4/g32 (--quantize auto: as the checkpoint stores them)" \
+            in caplog.messages
     finally:
         loaded.runner.close()
     layout = asyncio.run(model_layout(str(path), model_id=None, compute_dtype=torch.float32, quantize="auto",

@@ -103,7 +103,10 @@ def test_the_plan_a_host_logs_names_its_range_what_it_weighs_against_its_budget_
     from hearth.services.host.model_layout import ModelLayout
     from hearth.services.host.planner import LayerRange
 
-    layout = ModelLayout(total_layers=6, layer_bytes=[MiB // 4] * 6, weights_sha256="00", served_id="tiny")
-    assert plan_text("host-b", LayerRange(2, 3), layout, "int8", int(0.6 * MiB), [1, 1, 0, 0, 0, 0]) == (
+    from hearth.inference.quantization import parse_quantization
+
+    layout = ModelLayout(total_layers=6, layer_bytes=[MiB // 4] * 6, weights_sha256="00", served_id="tiny",
+                         scheme=parse_quantization("int8"))
+    assert plan_text("host-b", LayerRange(2, 3), layout, int(0.6 * MiB), [1, 1, 0, 0, 0, 0]) == (
         "host host-b: serving layers 2-3 of tiny in int8 (2 of its 6 layers, 0.5 MB of weights within 0.6 MB: the "
         "budget less the KV reserve); the mesh held: 0-1 x1, 2-5 MISSING")

@@ -222,8 +222,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             taken: set[LayerRange] = set()
             arriving: Move | None = None  # the move this host is making to serve `chosen`
             while chosen is not None and not stop_event.is_set():  # None: stopped (a layer fits, checked above)
-                log.info("%s", plan_text(node, chosen, layout, scheme.label, weights_budget,
-                                         await coverage.replicas(leave_out=gone)))
+                log.info("%s", plan_text(node, chosen, layout, weights_budget, await coverage.replicas(leave_out=gone)))
                 try:
                     move = await _serve_until_moved(chosen, coverage, nc, model=model, model_id=served_id,
                                                     node=node, settings=settings, device=device, dtype=dtype,
@@ -248,12 +247,12 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             await drain_or_close(nc, settings.nats.drain_timeout_s)
 
 
-def plan_text(node: str, chosen: LayerRange, layout: ModelLayout, scheme: str, weights_budget: int,
-              replicas: list[int]) -> str:
+def plan_text(node: str, chosen: LayerRange, layout: ModelLayout, weights_budget: int, replicas: list[int]) -> str:
     """What a host says it serves, and why: its range, what the range weighs against its budget, and which layers the
     mesh held before (before, a list of one count per layer: eighty numbers for a large model)."""
     weights = sum(layout.layer_bytes[layer] for layer in chosen.layers())
-    return (f"host {node}: serving layers {chosen} of {layout.served_id} in {scheme} ({len(chosen.layers())} of its "
+    return (f"host {node}: serving layers {chosen} of {layout.served_id} in {layout.scheme.label} "
+            f"({len(chosen.layers())} of its "
             f"{layout.total_layers} layers, {shown_mb(weights)} MB of weights within {shown_mb(weights_budget)} MB: "
             f"the budget less the KV reserve); the mesh held: {coverage_text(enumerate(replicas))}")
 

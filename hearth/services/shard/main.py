@@ -160,6 +160,9 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
     model_path = await fetch_model(model, (lo, hi), nats_url=nats_url, settings=settings, stop_event=stop_event)
     try:
         scheme = await asyncio.to_thread(resolve_quantization, setting, model_path, compute_device)
+        if setting == AUTO_QUANTIZATION:
+            log.info("layers %d-%d of %s served in %s (--quantize auto: as the checkpoint stores them)", lo, hi,
+                     model, scheme.label)
         estimate = await asyncio.to_thread(estimated_need, model_path, lo, hi, compute_dtype, shard, scheme,
                                            compute_device)
     except (InferenceError, ValueError, OSError) as error:
