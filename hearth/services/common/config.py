@@ -99,7 +99,7 @@ class HostSettings(ConfigSection):
                     "auto (as the checkpoint stores them: a GGUF whose layers are mostly 4-bit blocks as int4, "
                     "mostly 5- to 8-bit blocks as int8, any other checkpoint as none), none, int8 (per output "
                     "channel) or int4, int4/gN (groups of N inputs: 32, 64, 128 or 256); CPU, and CUDA (int4 from "
-                    "compute capability 8.0; auto takes int8 there instead); --quantize wins")
+                    "compute capability 8.0, below which auto takes int8); --quantize wins")
 
 
 class DistributedInferenceSettings(ConfigSection):
