@@ -146,6 +146,9 @@ class PulledModel:
     num_layers: int | None
     # Why hearth cannot serve it (one line), None when it reads the file's architecture and every block type.
     problem: str | None
+    # The scheme `--quantize auto` (the default) holds its layers in (hearth/inference/stored_precision.py), on the
+    # CPU; None where it is not served.
+    default_scheme: str | None = None
 
 
 def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
@@ -156,6 +159,9 @@ def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
 
     from .gguf_header import read_gguf_header
     from .gguf_layout import check_block_types
+    from .gguf_tensor_table import gguf_layer_tensors, layer_blocks_of
+    from .quantization import AUTO_QUANTIZATION
+    from .stored_precision import resolved_scheme
 
     folder = models_dir or ollama_models_dir()
     manifests = folder / "manifests"
@@ -175,14 +181,16 @@ def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
             continue
         architecture = header.architecture
         layers = header.metadata.get(f"{architecture}.block_count")
-        problem = None
+        problem = default_scheme = None
         if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
             problem = f"a {architecture!r} model; hearth serves {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         else:
             try:
                 check_block_types(((t.name, t.block_type) for t in header.split.tensors), blob.name)
+                default_scheme = resolved_scheme(AUTO_QUANTIZATION, gguf_layer_tensors(layer_blocks_of(
+                    (t.name, t.shape, t.block_type) for t in header.split.tensors)), "cpu").label
             except CheckpointError as error:
                 problem = str(error)
         pulled.append(PulledModel(name, size, architecture,
-                                  layers if isinstance(layers, int) else None, problem))
+                                  layers if isinstance(layers, int) else None, problem, default_scheme))
     return sorted(pulled, key=lambda model: model.name)

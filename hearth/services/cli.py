@@ -377,7 +377,8 @@ def ollama_command(
     for model in pulled:
         described = (f"{model.architecture}, {model.num_layers} layers, {model.size_bytes / 1e9:.2f} GB"
                      if model.architecture else "")
-        verdict = "served" if model.problem is None else f"not served: {model.problem}"
+        verdict = f"served, by default in {model.default_scheme}" if model.problem is None \
+            else f"not served: {model.problem}"
         typer.echo(f"{model.name:<{width}}  {described + '; ' if described else ''}{verdict}")
 
 

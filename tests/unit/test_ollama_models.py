@@ -165,10 +165,11 @@ def test_hearth_ollama_lists_what_ollama_pulled_and_whether_hearth_serves_it(tin
     assert listed.exit_code == 0, listed.output
     lines = listed.output.splitlines()
     assert lines[0].startswith("ollama:someone/embedder:v1") and "not served: a 'bert' model" in lines[0]
-    assert lines[1].startswith("ollama:tiny:latest") and "llama, 6 layers" in lines[1] and lines[1].endswith("served")
+    assert lines[1].startswith("ollama:tiny:latest") and "llama, 6 layers" in lines[1]
+    assert lines[1].endswith("served, by default in int8")  # its Q8_0 layers, as --quantize auto holds them
     as_json = json.loads(CliRunner().invoke(app, ["ollama", "--json"]).output)
-    assert [(model["name"], model["problem"] is None) for model in as_json] == [
-        ("ollama:someone/embedder:v1", False), ("ollama:tiny:latest", True)]
+    assert [(model["name"], model["problem"] is None, model["default_scheme"]) for model in as_json] == [
+        ("ollama:someone/embedder:v1", False, None), ("ollama:tiny:latest", True, "int8")]
 
 
 def test_an_unreadable_models_folder_is_one_line_naming_it(ollama_models, monkeypatch):
