@@ -92,6 +92,14 @@ def test_a_budget_that_holds_layers_says_how_many():
     assert check.verdict == "ok" and "holds up to 6 of the 6 layers, quantized int8, on cpu" in check.detail
 
 
+def test_the_default_says_it_weighs_the_layers_as_stored(tiny_gguf):
+    path, _ = tiny_gguf("llama", GGMLQuantizationType.Q4_1)
+    _line, source = model_source_check(str(path))
+    check = memory_check(source, None, HearthSettings(), memory_budget_mb=100, device="cpu", dtype="fp32",
+                         quantize=None)
+    assert check.verdict == "ok" and "quantized int4/g32 as stored (--quantize auto), on cpu" in check.detail
+
+
 def test_a_device_this_machine_lacks_fails_the_memory_check():
     _line, source = model_source_check(str(TINY))
     if torch.cuda.is_available():

@@ -91,6 +91,7 @@ def memory_check(source: ModelSource, manifest, settings: HearthSettings, *, mem
     from hearth.inference.memory import shown_mb
     from hearth.services.host.main import budget_refusal, with_memory_budget
     from hearth.services.host.planner import widest_fit
+    from hearth.protocol.quantization_labels import AUTO_QUANTIZATION
     from hearth.services.shard.main import ShardInputRefused, quantize_setting, resolve_compute, resolve_quantization
     from hearth.services.shard.memory_plan import kv_reserve_bytes
     from hearth.services.weights_store import WeightsStoreError
@@ -124,7 +125,8 @@ def memory_check(source: ModelSource, manifest, settings: HearthSettings, *, mem
     weights_budget = budget_bytes - kv_reserve_bytes(shard)
     most = max(hi - lo + 1 for lo in range(len(layer_bytes))
                if (hi := widest_fit(lo, layer_bytes, weights_budget)) is not None)
-    held = f"quantized {scheme.label}" if scheme.quantized else "unquantized"
+    held = (f"quantized {scheme.label}" if scheme.quantized else "unquantized") + \
+        (" as stored (--quantize auto)" if setting == AUTO_QUANTIZATION else "")
     return ok("memory", f"{shown_mb(budget_bytes)} MB{where} holds up to {most} of the {len(layer_bytes)} layers, "
                         f"{held}, on {compute_device} ({shown_mb(kv_reserve_bytes(shard))} MB of it the KV reserve)")
 
