@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -86,7 +85,7 @@ def served_model_id(model: str) -> str:
 def canonical_ollama_name(model: str) -> str:
     """`ollama:NAME:TAG` as Ollama shows it (its default registry and namespace left out, the tag given): the id
     every spelling of one model is served under, so `ollama:gemma3` and `ollama:library/gemma3:latest` agree."""
-    return OLLAMA_MODEL_PREFIX + _short_name(*ollama_manifest_parts(model))
+    return OLLAMA_MODEL_PREFIX + ollama_short_name(*ollama_manifest_parts(model))
 
 
 def resolve_ollama_model(model: str, models_dir: Path | None = None) -> Path:
@@ -104,7 +103,7 @@ def resolve_ollama_model(model: str, models_dir: Path | None = None) -> Path:
 def _blob_of(parts: tuple[str, str, str, str], folder: Path) -> Path:
     registry, namespace, name, tag = parts
     manifest_file = folder / "manifests" / registry / namespace / name / tag
-    shown = _short_name(registry, namespace, name, tag)
+    shown = ollama_short_name(registry, namespace, name, tag)
     if not manifest_file.is_file():
         raise CheckpointError(f"Ollama has not pulled {shown} into {folder} (`ollama pull {shown}` fetches it; "
                               f"${OLLAMA_MODELS_ENV} names another models folder)")
@@ -129,68 +128,8 @@ def _blob_of(parts: tuple[str, str, str, str], folder: Path) -> Path:
     return blob
 
 
-def _short_name(registry: str, namespace: str, name: str, tag: str) -> str:
+def ollama_short_name(registry: str, namespace: str, name: str, tag: str) -> str:
     """The name as Ollama shows it: its default registry and namespace left out."""
     if registry != OLLAMA_DEFAULT_REGISTRY:
         return f"{registry}/{namespace}/{name}:{tag}"
     return f"{name}:{tag}" if namespace == OLLAMA_DEFAULT_NAMESPACE else f"{namespace}/{name}:{tag}"
-
-
-@dataclass(frozen=True)
-class PulledModel:
-    """A model Ollama pulled onto this machine, as hearth sees it."""
-
-    name: str  # as --model takes it: ollama:NAME:TAG
-    size_bytes: int
-    architecture: str | None
-    num_layers: int | None
-    # Why hearth cannot serve it (one line), None when it reads the file's architecture and every block type.
-    problem: str | None
-    # The scheme `--quantize auto` (the default) holds its layers in (hearth/inference/stored_precision.py), on the
-    # CPU; None where it is not served.
-    default_scheme: str | None = None
-
-
-def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
-    """Every model whose manifest lies under Ollama's models folder, in name order, each with its weights' GGUF
-    described from its header alone (what a shard would refuse at load beyond the architecture and block types,
-    such as a RoPE hearth does not read, is not checked here)."""
-    from hearth.formats.gguf_support import SUPPORTED_GGUF_ARCHITECTURES
-
-    from .gguf_header import read_gguf_header
-    from .gguf_layout import check_block_types
-    from .gguf_tensor_table import gguf_layer_tensors, layer_blocks_of
-    from .quantization import AUTO_QUANTIZATION
-    from .stored_precision import resolved_scheme
-
-    folder = models_dir or ollama_models_dir()
-    manifests = folder / "manifests"
-    try:
-        found = sorted(path for path in manifests.glob("*/*/*/*") if path.is_file())
-    except OSError as error:
-        raise CheckpointError(f"cannot read Ollama's models in {folder} ({error.strerror or error})") from None
-    pulled = []
-    for manifest in found:
-        name = OLLAMA_MODEL_PREFIX + _short_name(*manifest.relative_to(manifests).parts)
-        try:
-            blob = resolve_ollama_model(name, folder)
-            header = read_gguf_header(blob)
-            size = blob.stat().st_size
-        except (CheckpointError, OSError) as error:
-            pulled.append(PulledModel(name, 0, None, None, str(error)))
-            continue
-        architecture = header.architecture
-        layers = header.metadata.get(f"{architecture}.block_count")
-        problem = default_scheme = None
-        if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
-            problem = f"a {architecture!r} model; hearth serves {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        else:
-            try:
-                check_block_types(((t.name, t.block_type) for t in header.split.tensors), blob.name)
-                default_scheme = resolved_scheme(AUTO_QUANTIZATION, gguf_layer_tensors(layer_blocks_of(
-                    (t.name, t.shape, t.block_type) for t in header.split.tensors)), "cpu").label
-            except CheckpointError as error:
-                problem = str(error)
-        pulled.append(PulledModel(name, size, architecture,
-                                  layers if isinstance(layers, int) else None, problem, default_scheme))
-    return sorted(pulled, key=lambda model: model.name)

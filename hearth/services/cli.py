@@ -360,7 +360,8 @@ def ollama_command(
     import json
 
     from hearth.inference.errors import CheckpointError
-    from hearth.inference.ollama_models import ollama_models_dir, pulled_ollama_models
+    from hearth.inference.ollama_listing import listing_line, pulled_ollama_models
+    from hearth.inference.ollama_models import ollama_models_dir
 
     try:
         pulled = pulled_ollama_models()
@@ -375,11 +376,7 @@ def ollama_command(
         return
     width = max(len(model.name) for model in pulled)
     for model in pulled:
-        described = (f"{model.architecture}, {model.num_layers} layers, {model.size_bytes / 1e9:.2f} GB"
-                     if model.architecture else "")
-        verdict = f"served, by default in {model.default_scheme}" if model.problem is None \
-            else f"not served: {model.problem}"
-        typer.echo(f"{model.name:<{width}}  {described + '; ' if described else ''}{verdict}")
+        typer.echo(listing_line(model, width))
 
 
 def main() -> None:
