@@ -60,7 +60,7 @@ def checkpoint_precision(model_path: Path) -> str:
 
 
 def resolved_scheme(setting: str | QuantizationScheme | None,
-                    checkpoint: Path | Iterable[tuple[str, str, list[int]]],
+                    checkpoint: str | Path | Iterable[tuple[str, str, list[int]]],
                     device: torch.device | str) -> QuantizationScheme:
     """The scheme a `--quantize` setting serves on `device`: AUTO_QUANTIZATION resolved from `checkpoint` (a local
     checkpoint's path: checkpoint_precision; its layer tensors as (name, stored type, shape): stored_precision) and,
@@ -68,7 +68,8 @@ def resolved_scheme(setting: str | QuantizationScheme | None,
     parse_quantization reads it (whether `device` runs a scheme named outright is check_device_supports')."""
     if setting != AUTO_QUANTIZATION:
         return parse_quantization(setting)
-    label = checkpoint_precision(checkpoint) if isinstance(checkpoint, Path) else stored_precision(checkpoint)
+    label = checkpoint_precision(Path(checkpoint)) if isinstance(checkpoint, (str, Path)) \
+        else stored_precision(checkpoint)
     return _runnable_from(label, device)
 
 

@@ -76,6 +76,7 @@ def test_a_gguf_range_loads_in_the_scheme_its_blocks_are_stored_in(tiny_gguf, bl
     in_folder = load_layer_range(path.parent, 0, 1, quantization="auto", **KV)
     try:
         assert runner.quantization == in_folder.quantization == expected
+        assert resolved_scheme("auto", str(path), CPU).label == expected  # a path given as text too
         assert runner.weight_bytes == named.weight_bytes  # the same weights as the scheme named outright
     finally:
         for each in (runner, named, in_folder):
