@@ -118,6 +118,15 @@ async def test_a_host_sizes_its_range_from_the_manifest_as_from_the_file(publish
     assert layout.layer_bytes == [expected[index] for index in range(TINY_NUM_LAYERS)]
 
 
+async def test_a_hosts_default_plan_from_the_manifest_resolves_the_files_scheme(published, nats_url):
+    original, _ = published
+    layout = await model_layout(f"store:{NAME}", model_id=None, compute_dtype=torch.float32, quantize="auto",
+                                nats_url=nats_url, settings=HearthSettings(nats=NatsSettings(url=nats_url)))
+    expected = layer_weight_bytes(original, torch.float32, quantization="int8")  # its Q8_0 layers held in int8
+    assert layout.scheme.label == "int8"
+    assert layout.layer_bytes == [expected[index] for index in range(TINY_NUM_LAYERS)]
+
+
 async def test_the_orchestrator_fetches_only_the_head_and_tokenizes_as_the_file(js, published, tmp_path):
     original, _ = published
     catalog = ModelCatalog(local_model=f"store:{NAME}")
