@@ -24,7 +24,9 @@ from hearth.services.gateway.keys import Caller
 from hearth.services.gateway.mesh import Gateway, MeshCall
 from tests.unit.test_gateway_retry_hints import waits_as_named
 
-READ_TIMEOUT_S = 0.5
+# The server runs in the test's own event loop: a deadline shorter than a stall of that loop on a busy machine fired
+# before the client's bytes were read, and closing over unread bytes resets the connection instead of ending it.
+READ_TIMEOUT_S = 2.0
 # Long enough for a slow reader's window to open again (TCP acknowledges it in steps of about half its buffer).
 SLOW_READER_STALL_TIMEOUT_S = 1.5
 # How long a test waits, at most, for the server to close a stalled connection (well above the deadline).
