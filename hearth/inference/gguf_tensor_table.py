@@ -154,3 +154,10 @@ def gguf_layer_tensors(blocks: dict[int, list[tuple[tuple[int, ...], str]]]) -> 
     tensors given as {layer: [(shape, block type)]} (layer_tensor_blocks)."""
     return [(f"layers.{layer}.{index}", block_type, list(shape))
             for layer, tensors in blocks.items() for index, (shape, block_type) in enumerate(tensors)]
+
+
+def header_layer_tensors(tensors: Iterable) -> list[tuple[str, str, list[int]]]:
+    """gguf_layer_tensors of the tensor infos of a header read by hearth/inference/gguf_header.py (each with its
+    name, shape and block type name)."""
+    return gguf_layer_tensors(layer_blocks_of((tensor.name, tensor.shape, tensor.block_type) for tensor in tensors))
+

@@ -35,7 +35,7 @@ def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
 
     from .gguf_header import read_gguf_header
     from .gguf_layout import check_block_types
-    from .gguf_tensor_table import gguf_layer_tensors, layer_blocks_of
+    from .gguf_tensor_table import header_layer_tensors
 
     folder = models_dir or ollama_models_dir()
     manifests = folder / "manifests"
@@ -61,8 +61,8 @@ def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
         else:
             try:
                 check_block_types(((t.name, t.block_type) for t in header.split.tensors), blob.name)
-                default_scheme = resolved_scheme(AUTO_QUANTIZATION, gguf_layer_tensors(layer_blocks_of(
-                    (t.name, t.shape, t.block_type) for t in header.split.tensors)), "cpu").label
+                default_scheme = resolved_scheme(AUTO_QUANTIZATION, header_layer_tensors(header.split.tensors),
+                                                 "cpu").label
             except CheckpointError as error:
                 problem = str(error)
         pulled.append(PulledModel(name, size, architecture,

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .memory import layer_tensor_specs
+from .partial_checkpoint import layer_of
 from .quantization import AUTO_QUANTIZATION, HEAD_QUANTIZATION, QUANTIZATION_KINDS, QuantizationError, \
     QuantizationScheme, check_device_supports, parse_quantization
 
@@ -47,7 +48,7 @@ def stored_precision(tensors: Iterable[tuple[str, str, list[int]]]) -> str:
     precise, and a checkpoint without layer matrices is `none`."""
     elements: Counter[str] = Counter()
     for name, stored_type, shape in tensors:
-        if len(shape) == 2 and ".layers." in f".{name}":  # norms and biases are held dense by every scheme
+        if len(shape) == 2 and layer_of(name) is not None:  # norms and biases are held dense by every scheme
             elements[stored_type_precision(stored_type)] += math.prod(shape)
     if not elements:
         return "none"

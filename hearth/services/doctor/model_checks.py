@@ -105,7 +105,7 @@ def memory_check(source: ModelSource, manifest, settings: HearthSettings, *, mem
     except ShardInputRefused as error:
         return fail("memory", str(error))
     try:
-        scheme = resolve_quantization(setting, _resolved_from(source, manifest), compute_device)
+        scheme = resolve_quantization(setting, _layer_tensors(source, manifest), compute_device)
         layer_bytes = _layer_bytes(source, manifest, compute_dtype, scheme, compute_device)
     except ShardInputRefused as error:
         return fail("memory", str(error))
@@ -134,7 +134,7 @@ def memory_check(source: ModelSource, manifest, settings: HearthSettings, *, mem
 def _layer_tensors(source: ModelSource, manifest) -> list[tuple[str, str, list[int]]]:
     """Each layer tensor's (name, stored type, shape): from the store's manifest, a folder's safetensors headers or
     a GGUF's header (what hearth/inference/memory.py counts)."""
-    from hearth.inference.gguf_tensor_table import gguf_layer_tensors, layer_blocks_of
+    from hearth.inference.gguf_tensor_table import header_layer_tensors
     from hearth.inference.memory import layer_tensor_specs
 
     if manifest is not None:
@@ -143,16 +143,7 @@ def _layer_tensors(source: ModelSource, manifest) -> list[tuple[str, str, list[i
     assert local is not None
     if local.gguf_header is None:
         return layer_tensor_specs(local.path)
-    return gguf_layer_tensors(layer_blocks_of((tensor.name, tensor.shape, tensor.block_type)
-                                              for tensor in local.gguf_header.split.tensors))
-
-
-def _resolved_from(source: ModelSource, manifest):
-    """What auto resolves the model's scheme from (hearth/inference/stored_precision.py): a local checkpoint itself
-    (a whole GGUF's file type), else its layer tensors."""
-    if manifest is None and source.local is not None:
-        return source.local.path
-    return _layer_tensors(source, manifest)
+    return header_layer_tensors(local.gguf_header.split.tensors)
 
 
 def _layer_bytes(source: ModelSource, manifest, compute_dtype, scheme, device) -> list[int]:

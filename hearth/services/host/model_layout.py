@@ -24,7 +24,7 @@ from hearth.formats.gguf_support import is_gguf_file
 from hearth.inference.gguf_tensor_table import check_layer_block_types
 from hearth.inference.hub_cache import complete_hub_snapshot, hub_cache_gguf
 from hearth.inference.hub_fetch import hub_layout
-from hearth.inference.memory import layer_weight_bytes, layer_weight_bytes_of
+from hearth.inference.memory import layer_tensor_specs, layer_weight_bytes_of
 from hearth.inference.ollama_models import served_model_id
 from hearth.inference.quantization import QuantizationScheme
 from hearth.services.common.config import HearthSettings
@@ -68,8 +68,9 @@ async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch
     total = int(read_config_dict(local)["num_hidden_layers"])
     if is_gguf_file(local):  # refused while planning, not once a range is announced and loading it fails
         await asyncio.to_thread(check_layer_block_types, local)
-    scheme = await asyncio.to_thread(resolve_quantization, quantize, local, device)
-    per_layer = await asyncio.to_thread(layer_weight_bytes, local, compute_dtype, quantization=scheme, device=device)
+    tensors = await asyncio.to_thread(layer_tensor_specs, local)  # headers only, read once for both
+    scheme = resolve_quantization(quantize, tensors, device)
+    per_layer = layer_weight_bytes_of(tensors, compute_dtype, scheme, device=device)
     digest = await asyncio.to_thread(weights_sha256, local)
     served_id = model_id or (default_model_id(local) if Path(model).expanduser().exists()
                              else served_model_id(model))
