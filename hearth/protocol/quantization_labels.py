@@ -14,7 +14,8 @@ from pydantic import AfterValidator, Field
 from pydantic_core import PydanticCustomError
 
 # What parse_quantization accepts: none, int8, int4 (its default group size) or int4/gN.
-QUANTIZATION_LABEL_PATTERN = r"^(none|int8|int4(/g[1-9][0-9]{0,4})?)$"
+_LABEL_FORMS = r"none|int8|int4(/g[1-9][0-9]{0,4})?"
+QUANTIZATION_LABEL_PATTERN = rf"^({_LABEL_FORMS})$"
 _label_re = re.compile(QUANTIZATION_LABEL_PATTERN)
 # The int4 group sizes hearth's kernels serve: hearth/inference/quantization.py's, mirrored (the import rules keep
 # torch's side out of here; tests check them equal). A label on the wire may name another (a request routes to
@@ -55,7 +56,7 @@ def check_runnable_label(text: str) -> str:
 # each checkpoint served in the precision it is stored in (hearth/inference/stored_precision.py), resolved to a
 # label where the checkpoint is read. hearth/inference/quantization.py's, mirrored (tests check them equal).
 AUTO_QUANTIZATION = "auto"
-QUANTIZE_SETTING_PATTERN = r"^(auto|none|int8|int4(/g[1-9][0-9]{0,4})?)$"
+QUANTIZE_SETTING_PATTERN = rf"^({AUTO_QUANTIZATION}|{_LABEL_FORMS})$"
 
 
 def check_runnable_setting(text: str) -> str:
