@@ -96,7 +96,7 @@ async def test_cancelling_leaves_the_inbox_so_the_orchestrator_hears_no_responde
     out = io.StringIO()
     try:
         code = await raw_client.chat(client, raw_client.parse_args(["hi", "--cancel-after", "2"]), None, out=out)
-        await client.flush()
+        await flush_ordered(client)  # the client's UNSUB reaches the broker before the probe below
         assert (code, out.getvalue()) == (0, "ab")
         # Still connected, but nobody listens on the call's inbox: the orchestrator's next frame finds no responders.
         with pytest.raises(nats.errors.NoRespondersError):
