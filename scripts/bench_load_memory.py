@@ -11,6 +11,7 @@ process, not of the weights.
 
     .venv/bin/python scripts/bench_load_memory.py                      # random:llama-250m, cpu, fp32 and bf16
     .venv/bin/python scripts/bench_load_memory.py --device cuda --dtypes bf16
+    .venv/bin/python scripts/bench_load_memory.py --quantize int8 --cases head --dtypes fp32
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def warm_up_imports(path: Path) -> None:
         AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
 
 
-def run_child(what: str, path: Path, dtype: str, device: str) -> dict:
-    """Inside a fresh process: load ``what`` ("head" or layers "lo-hi") and report its resident-memory figures."""
+def run_child(what: str, path: Path, dtype: str, device: str, quantization: str = "none") -> dict:
+    """Inside a fresh process: load ``what`` ("head" or layers "lo-hi") under ``quantization`` and report its
+    resident-memory figures."""
     sys.path.insert(0, str(REPO_ROOT))
     import torch
 
@@ -86,7 +88,8 @@ def run_child(what: str, path: Path, dtype: str, device: str) -> dict:
     rss_before_kib = proc_status_kib("VmRSS")
     started = time.perf_counter()
     if what == "head":
-        loaded = inference.load_head(path, dtype=dtype, device=device, load_tokenizer=False)
+        loaded = inference.load_head(path, dtype=dtype, device=device, load_tokenizer=False,
+                                     quantization=quantization)
 
         def forward() -> None:
             loaded.logits(loaded.embed(list(range(1, 1 + FORWARD_TOKENS))))
@@ -95,7 +98,7 @@ def run_child(what: str, path: Path, dtype: str, device: str) -> dict:
         lo, hi = (int(bound) for bound in what.split("-"))
         loaded = inference.load_layer_range(path, lo, hi, dtype=dtype, device=device,
                                             cache_budget_bytes=shard.kv_cache_budget_bytes,
-                                            session_ttl_s=shard.eviction_idle_s)
+                                            session_ttl_s=shard.eviction_idle_s, quantization=quantization)
 
         def forward() -> None:
             hidden = torch.randn(1, FORWARD_TOKENS, loaded.info.hidden_size, dtype=loaded.info.dtype, device=device)
@@ -112,6 +115,7 @@ def run_child(what: str, path: Path, dtype: str, device: str) -> dict:
     return {
         "layers": what,
         "dtype": dtype,
+        "quantization": quantization,
         "device": str(loaded.device),
         "weight_bytes": loaded.weight_bytes,
         "peak_added_bytes": (peak_kib - rss_before_kib) * 1024,
@@ -123,9 +127,10 @@ def run_child(what: str, path: Path, dtype: str, device: str) -> dict:
     }
 
 
-def measure(case: str, path: Path, dtype: str, device: str) -> dict:
+def measure(case: str, path: Path, dtype: str, device: str, quantization: str) -> dict:
     what = what_to_load(case, path)
-    command = [sys.executable, __file__, "--child", what, "--path", str(path), "--dtype", dtype, "--device", device]
+    command = [sys.executable, __file__, "--child", what, "--path", str(path), "--dtype", dtype, "--device", device,
+               "--quantize", quantization]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
     if result.returncode != 0:
@@ -138,14 +143,15 @@ def format_table(rows: list[dict]) -> str:
         return f"{num_bytes / MEBIBYTE:,.1f}"
 
     lines = [
-        "| case | layers | dtype | device | weights MiB | peak RSS added by the load MiB | peak / weights "
+        "| case | layers | dtype | quantization | device | weights MiB | peak RSS added by the load MiB | peak / weights "
         f"| RSS added, loaded MiB | RSS added after a {FORWARD_TOKENS}-token forward MiB | load s |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ratio = r["peak_added_bytes"] / r["weight_bytes"]
         lines.append(
-            f"| {r['case']} | {r['layers']} | {r['dtype']} | {r['device']} | {mib(r['weight_bytes'])} "
+            f"| {r['case']} | {r['layers']} | {r['dtype']} | {r['quantization']} | {r['device']} "
+            f"| {mib(r['weight_bytes'])} "
             f"| {mib(r['peak_added_bytes'])} | {ratio:.3f} | {mib(r['loaded_added_bytes'])} "
             f"| {mib(r['forward_added_bytes'])} | {r['load_s']} |"
         )
@@ -158,6 +164,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (figures are host memory)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    parser.add_argument("--quantize", default="none", help="the scheme to load in: none, int8, int4/g32, auto")
     parser.add_argument("--json", type=Path, help="also write the raw figures to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # "head" or "lo-hi": what a measuring process loads
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
@@ -165,7 +172,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.child:
-        print(json.dumps(run_child(args.child, args.path, args.dtype, args.device)))
+        print(json.dumps(run_child(args.child, args.path, args.dtype, args.device, args.quantize)))
         return
 
     sys.path.insert(0, str(REPO_ROOT))
@@ -175,7 +182,7 @@ def main() -> None:
     rows = []
     for dtype in args.dtypes.split(","):
         for case in args.cases.split(","):
-            rows.append(measure(case, path, DTYPE_NAMES.get(dtype, dtype), args.device))
+            rows.append(measure(case, path, DTYPE_NAMES.get(dtype, dtype), args.device, args.quantize))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -6,10 +6,11 @@ import json
 import math
 import os
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .checkpoint_files import (
@@ -328,6 +329,24 @@ class SafetensorsCheckpoint:
                             file, name, shape, source, final, target_device, self.staging_chunk_bytes)
                     self.bytes_read += math.prod(shape) * source.itemsize
         return tensors
+
+
+    def row_chunks(self, name: str, rows_per_chunk: int) -> Iterator[np.ndarray]:
+        """The 2-D floating tensor `name`, `rows_per_chunk` rows at a time in float32 (exact for every stored float
+        dtype), each chunk through its own memory map as `read` fills a tensor, counted in bytes_read once all are
+        read: a caller building its own form of it (an int8 lm_head) never holds it whole in floats."""
+        if name not in self._file_of:
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint in {self.path}")
+        file = self._file_of[name]
+        with opened_safetensors(file) as mapped:
+            stored = mapped.get_slice(name)
+            shape, source = stored.get_shape(), _torch_dtype(stored.get_dtype(), name)
+        if len(shape) != 2 or not source.is_floating_point:
+            raise CheckpointError(f"tensor {name} is {source} {shape}, not a matrix of floats")
+        for first in range(0, shape[0], rows_per_chunk):
+            with opened_safetensors(file) as handle:
+                yield handle.get_slice(name)[first:first + rows_per_chunk].float().numpy()
+        self.bytes_read += math.prod(shape) * source.itemsize
 
 
 def _torch_dtype(stored_dtype: str, name: str) -> torch.dtype:

@@ -15,7 +15,7 @@ from .errors import CheckpointError
 from .gguf_checkpoint import GGUFCheckpoint, load_gguf_tokenizer
 from hearth.formats.gguf_support import is_gguf_file
 from .head import Head
-from .head_weights import HALF_HEAD_ROWS_PER_CHUNK, HalfPrecisionHead, holds_half_head, served_lm_head
+from .head_weights import served_lm_head, served_lm_head_of_rows
 from .heap import bound_arena_tops, release_freed_heap
 from .loading import assert_materialized, open_skeleton
 from .quantization import QuantizationScheme, check_device_supports
@@ -64,24 +64,24 @@ def load_head(
     stored_quantized = skeleton.checkpoint.stored_quantized(head_weight_name)
     scheme = resolved_head_scheme(quantization, stored_quantized, skeleton.device)
     check_device_supports(scheme, skeleton.device)
-    half = _half_head_of_stored_rows(skeleton, lm_head, head_weight_name, scheme, stored_quantized)
+    built = _head_of_stored_rows(skeleton, lm_head, head_weight_name, scheme, stored_quantized, tied)
     # An embedding the file can look up row by row is never read whole (stored_embedding.py) where nothing else
     # uses its matrix: untied, or tied to a head built from the file's rows.
-    stored_rows = None if tied and half is None else embedding_from_stored_rows(
-        skeleton.checkpoint, embed_name, embed_tokens, half or lm_head, skeleton.device)
+    stored_rows = None if tied and built is None else embedding_from_stored_rows(
+        skeleton.checkpoint, embed_name, embed_tokens, built or lm_head, skeleton.device)
     if stored_rows is None:
         skeleton.materialize(embed_tokens)
         skeleton.adapter.materialize_embedding_buffers(embed_tokens)
     skeleton.materialize(final_norm)
-    if half is None and tied:
+    if built is None and tied:
         lm_head.weight = embed_tokens.weight
-    elif half is None:
+    elif built is None:
         skeleton.materialize(lm_head)
     for what, module in (("embedding", stored_rows or embed_tokens), ("final norm", final_norm),
-                         ("lm_head", half or lm_head)):
+                         ("lm_head", built or lm_head)):
         assert_materialized(module, what)
-    served = half or served_lm_head(lm_head, scheme, skeleton.device, stored_quantized)
-    if tied and half is None:
+    served = built or served_lm_head(lm_head, scheme, skeleton.device, stored_quantized)
+    if tied and built is None:
         stored_rows = embedding_from_stored_rows(skeleton.checkpoint, embed_name, embed_tokens, served,
                                                  skeleton.device)
     if served is not lm_head or stored_rows is not None:
@@ -109,19 +109,16 @@ def load_head(
     )
 
 
-def _half_head_of_stored_rows(skeleton, lm_head: nn.Module, weight_name: str, scheme: QuantizationScheme,
-                              stored_quantized: bool) -> HalfPrecisionHead | None:
-    """The float16 head served_lm_head would hold of `lm_head` (still on the meta device), built from the
-    checkpoint's rows a chunk at a time where it reads rows (a GGUF): the matrix is never held whole in the compute
-    dtype, as materializing it and then copying it would (head_weights.py). None where no such head is held, or its
-    rows do not fit float16 (then it loads as before)."""
+def _head_of_stored_rows(skeleton, lm_head: nn.Module, weight_name: str, scheme: QuantizationScheme,
+                         stored_quantized: bool, tied: bool) -> nn.Module | None:
+    """The module served_lm_head would give for `lm_head` (still on the meta device), built from the checkpoint's
+    rows a chunk at a time where it reads rows (head_weights.served_lm_head_of_rows); None where it loads as before:
+    no such module, or a head tied to an embedding that is held whole anyway (one the file cannot look up by row)."""
     row_chunks = getattr(skeleton.checkpoint, "row_chunks", None)
-    if (row_chunks is None or getattr(lm_head, "bias", None) is not None
-            or not holds_half_head(lm_head, scheme, skeleton.device, stored_quantized)):
+    if row_chunks is None or (tied and getattr(skeleton.checkpoint, "row_reader", None) is None):
         return None
-    weight = lm_head.weight  # on the meta device: the shape, and the dtype it would load in
-    return HalfPrecisionHead.of_row_chunks(row_chunks(weight_name, HALF_HEAD_ROWS_PER_CHUNK), weight.shape[0],
-                                           weight.shape[1], weight.dtype)
+    return served_lm_head_of_rows(lm_head, scheme, skeleton.device, stored_quantized,
+                                  lambda rows_per_chunk: row_chunks(weight_name, rows_per_chunk))
 
 
 def _load_tokenizer(path: Path):

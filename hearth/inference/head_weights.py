@@ -4,14 +4,14 @@ quantized already (a GGUF's Q8_0, Q6_K ...) on a CPU with a fast float16 product
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quantization import QuantizationScheme, QuantizedLinear, head_quantization
+from .quantization import QUANTIZE_ROWS_PER_CHUNK, QuantizationScheme, QuantizedLinear, head_quantization
 
 # torch's CPU capabilities whose float16 one-row product reads float16 weights and sums in float32 at about the speed
 # of their bytes; elsewhere (no AVX2, or a CPU where it was not measured) a float16 product may be slower than
@@ -98,6 +98,25 @@ def holds_half_head(lm_head: nn.Module, scheme: QuantizationScheme, device: torc
     as its rows' magnitudes allow (HalfPrecisionHead.fits)."""
     return (scheme.quantized and type(lm_head) is nn.Linear and head_quantization(device) is not None
             and stored_quantized and half_head_supported(device))
+
+
+def served_lm_head_of_rows(lm_head: nn.Module, scheme: QuantizationScheme, device: torch.device,
+                           stored_quantized: bool,
+                           row_chunks: Callable[[int], Iterator[np.ndarray]]) -> nn.Module | None:
+    """The module served_lm_head would serve `lm_head` (still on the meta device) with, built from the checkpoint's
+    float32 rows (`row_chunks(rows per chunk)`) a chunk at a time, so the matrix is never held whole in the compute
+    dtype as loading it first would: its float16 copy, or its int8 codes. None where served_lm_head would keep it as
+    loaded, or the rows do not fit float16 (then it loads as before)."""
+    if type(lm_head) is not nn.Linear or lm_head.bias is not None:
+        return None
+    weight = lm_head.weight  # on the meta device: the shape, and the dtype it would load in
+    if holds_half_head(lm_head, scheme, device, stored_quantized):
+        return HalfPrecisionHead.of_row_chunks(row_chunks(HALF_HEAD_ROWS_PER_CHUNK), weight.shape[0],
+                                               weight.shape[1], weight.dtype)
+    if not scheme.quantized or stored_quantized or head_quantization(device) is None or device.type != "cpu":
+        return None
+    return QuantizedLinear(lm_head, head_quantization(device), weight_rows=(
+        torch.from_numpy(chunk).to(weight.dtype) for chunk in row_chunks(QUANTIZE_ROWS_PER_CHUNK)))
 
 
 def served_lm_head(lm_head: nn.Module, scheme: QuantizationScheme, device: torch.device,

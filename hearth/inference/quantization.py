@@ -212,12 +212,17 @@ class QuantizedLinear(nn.Module):
     """A Linear whose weight is held quantized (in buffers, or int8 codes in fbgemm's packed form: packed_bytes) and
     whose product runs on the module docstring's kernels; the bias, if any, stays dense. With ``stored`` (int4 codes
     as the checkpoint stores them, in ``scheme``'s groups) the codes are taken as they are and ``dense`` gives only
-    its shape and bias (its weight may be on the meta device)."""
+    its shape and bias (its weight may be on the meta device). With ``weight_rows`` (int8 on the CPU: the weight's
+    rows in order, as a checkpoint reads them a chunk at a time) ``dense`` gives only its shape and bias likewise, so
+    the weight is never held whole in floats; its codes are the loaded weight's, each row having its own scale."""
 
-    def __init__(self, dense: nn.Linear, scheme: QuantizationScheme, stored: Int4Groups | None = None) -> None:
+    def __init__(self, dense: nn.Linear, scheme: QuantizationScheme, stored: Int4Groups | None = None,
+                 weight_rows: Iterable[torch.Tensor] | None = None) -> None:
         super().__init__()
         if not scheme.quantized:
             raise QuantizationError("QuantizedLinear needs a quantized scheme, not none")
+        if weight_rows is not None and (scheme.kind != "int8" or stored is not None):
+            raise QuantizationError(f"a Linear's weight given by rows is held in int8 only, not {scheme.label}")
         self.in_features, self.out_features = dense.in_features, dense.out_features
         self.scheme = scheme
         rows, columns = self.out_features, self.in_features
@@ -226,8 +231,9 @@ class QuantizedLinear(nn.Module):
             raise QuantizationError(
                 f"stored int4 codes {tuple(stored.codes.shape)} in groups of {stored.group_size} cannot be held as "
                 f"{scheme.label} for a {rows}x{columns} Linear")
-        weight = None if stored is not None else dense.weight.detach()
-        device = stored.codes.device if stored is not None else weight.device
+        weight = None if stored is not None or weight_rows is not None else dense.weight.detach()
+        device = (stored.codes.device if stored is not None
+                  else torch.device("cpu") if weight is None else weight.device)
         # torch._int_mm needs feature counts that are multiples of 8; others keep torch's weight-only kernel.
         self._int8_dynamic = (device.type == "cuda" and scheme.kind == "int8"
                               and columns % INT_MM_FEATURE_MULTIPLE == 0 and rows % INT_MM_FEATURE_MULTIPLE == 0)
@@ -237,8 +243,8 @@ class QuantizedLinear(nn.Module):
             if scheme.kind == "int8":
                 codes = torch.empty(rows, columns, dtype=torch.int8, device=device)
                 scales = torch.empty(rows, dtype=KERNEL_DTYPE, device=device)
-                for first, last in _row_chunks(rows):
-                    codes[first:last], scales[first:last] = int8_per_channel(weight[first:last].float())
+                for first, last, chunk in _weight_rows(weight, weight_rows, self.out_features):
+                    codes[first:last], scales[first:last] = int8_per_channel(chunk.float())
                 if device.type == "cpu" and int8_rows_on_cpu():  # the codes live in the packed form only
                     self._fbgemm_packed = pack_for_fbgemm(codes, scales.float())
                 else:
@@ -300,6 +306,23 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.label}"
+
+
+def _weight_rows(weight: torch.Tensor | None, given: Iterable[torch.Tensor] | None,
+                 count: int) -> Iterable[tuple[int, int, torch.Tensor]]:
+    """(first, last, rows) of a weight's `count` rows: `given` chunks in order, else `weight`'s in _row_chunks."""
+    if given is None:
+        yield from ((first, last, weight[first:last]) for first, last in _row_chunks(count))
+        return
+    first = 0
+    for chunk in given:
+        last = first + chunk.shape[0]
+        if last > count:
+            raise QuantizationError(f"the weight's rows came to more than its {count}")
+        yield first, last, chunk
+        first = last
+    if first != count:
+        raise QuantizationError(f"the weight's rows came to {first}, not {count}")
 
 
 def _row_chunks(rows: int) -> list[tuple[int, int]]:

@@ -32,6 +32,9 @@ MiB = 1024 * 1024
 BIG_LAYERS = dict(hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=12, head_dim=64,
                   num_hidden_layers=4)
 LOADED_LAYERS = "1-3"
+# An untied lm_head of 24.6 M parameters (94 MiB in fp32, 23 MiB in int8) beside one small layer.
+BIG_VOCABULARY = dict(vocab_size=32000, hidden_size=768, intermediate_size=256, num_attention_heads=12,
+                      num_key_value_heads=12, head_dim=64, num_hidden_layers=1, tie_word_embeddings=False)
 LAYER_PARAMETERS = 4 * 768 * 768 + 3 * 768 * 2048 + 2 * 768  # q, k, v, o; gate, up, down; two norms
 BF16_BYTES = 2
 # Besides the weights the loader holds one staging chunk, and a fixed few MiB that do not grow with the weights
@@ -49,16 +52,21 @@ def peak_rss_reset_allowed() -> bool:
     return True
 
 
-@pytest.mark.skipif(not peak_rss_reset_allowed(), reason="needs Linux's /proc/self/clear_refs to reset VmHWM")
-def test_loading_a_converted_range_adds_at_most_its_weights_plus_ten_percent(tmp_path):
-    path = write_tiny_model(tmp_path / "big-layers", "llama", with_tokenizer=False, **BIG_LAYERS)
+def measured_load(path: Path, what: str, dtype: str, quantization: str = "none") -> dict:
+    """scripts/bench_load_memory.py's figures for loading `what` ("head" or "lo-hi") of `path` in a fresh process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, str(BENCH_SCRIPT), "--child", LOADED_LAYERS, "--path", str(path),
-               "--dtype", "bfloat16", "--device", "cpu"]
+    command = [sys.executable, str(BENCH_SCRIPT), "--child", what, "--path", str(path),
+               "--dtype", dtype, "--device", "cpu", "--quantize", quantization]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S,
                             cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not peak_rss_reset_allowed(), reason="needs Linux's /proc/self/clear_refs to reset VmHWM")
+def test_loading_a_converted_range_adds_at_most_its_weights_plus_ten_percent(tmp_path):
+    path = write_tiny_model(tmp_path / "big-layers", "llama", with_tokenizer=False, **BIG_LAYERS)
+    figures = measured_load(path, LOADED_LAYERS, "bfloat16")
 
     assert figures["peak_method"] == "VmHWM reset before the load"
     weights = figures["weight_bytes"]
@@ -67,6 +75,20 @@ def test_loading_a_converted_range_adds_at_most_its_weights_plus_ten_percent(tmp
     assert figures["peak_added_bytes"] <= bound, (
         f"loading layers {LOADED_LAYERS} in bf16 added a peak of {figures['peak_added_bytes'] / MiB:.1f} MiB of "
         f"resident memory for {weights / MiB:.1f} MiB of weights (bound {bound / MiB:.1f} MiB)")
+
+
+@pytest.mark.skipif(not peak_rss_reset_allowed(), reason="needs Linux's /proc/self/clear_refs to reset VmHWM")
+def test_an_int8_head_loads_without_its_float_matrix(tmp_path):
+    """An untied float lm_head quantized to int8 is read a chunk of rows at a time: the load's peak is its codes in
+    the forms fbgemm's packing passes them through (the codes, a quantized tensor of them, the packed copy and its
+    offsets), less than the float32 matrix alone (four times the codes), which a whole read holds beside them."""
+    path = write_tiny_model(tmp_path / "big-vocabulary", "llama", with_tokenizer=False, **BIG_VOCABULARY)
+    figures = measured_load(path, "head", "float32", "int8")
+    codes_bytes = BIG_VOCABULARY["vocab_size"] * BIG_VOCABULARY["hidden_size"]
+    bound = 4 * codes_bytes + FIXED_ALLOWANCE_BYTES
+    assert figures["peak_added_bytes"] <= bound, (
+        f"loading the int8 head added a peak of {figures['peak_added_bytes'] / MiB:.1f} MiB "
+        f"(bound {bound / MiB:.1f} MiB; its float32 matrix alone is {4 * codes_bytes / MiB:.1f} MiB)")
 
 
 def test_chunked_reads_equal_whole_tensor_conversion_bit_for_bit(tmp_path):
