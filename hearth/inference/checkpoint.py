@@ -291,6 +291,13 @@ class SafetensorsCheckpoint:
         """Whether the tensor is stored quantized: never in safetensors checkpoints hearth reads."""
         return False
 
+    def stored_type(self, name: str) -> str:
+        """The safetensors dtype the tensor is stored in ("BF16", "F32" ...); CheckpointError when it is missing."""
+        if name not in self._file_of:
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint in {self.path}")
+        with opened_safetensors(self._file_of[name]) as handle:
+            return handle.get_slice(name).get_dtype()
+
     def stored_int4_group_size(self, name: str) -> int | None:
         """The group of a tensor stored as 4-bit codes in groups (GGUFCheckpoint): none in safetensors."""
         return None

@@ -194,6 +194,10 @@ class GGUFCheckpoint:
         """Whether the tensor is stored in a quantized block type (not F32/F16/BF16/F64)."""
         return self._stored(name).block_type.name not in FLOAT_GGUF_TYPE_NAMES
 
+    def stored_type(self, name: str) -> str:
+        """The GGUF block type name the tensor is stored in ("Q4_K", "F16" ...)."""
+        return self._stored(name).block_type.name
+
     def stored_int4_group_size(self, name: str) -> int | None:
         """The group of input features a tensor stored as 4-bit codes in groups has (read_int4_groups reads it
         so), None for any other storage."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +34,9 @@ from .gguf_checkpoint import GGUFCheckpoint
 from hearth.formats.gguf_support import is_gguf_file
 from .gguf_tensor_table import check_layer_block_types
 from .ollama_models import served_model_id
+from .held_forms import held_scheme, stored_precision
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
-    check_quantizable, dense_linears, held_as_stored, quantize_linears
+    check_quantizable, dense_linears, quantize_linears
 from .heap import bound_arena_tops
 from .row_attention import use_row_attention
 from .runner import LayerRangeRunner
@@ -81,21 +83,29 @@ class _Skeleton:
         return checkpoint_names
 
     def materialize_layer(self, layer: nn.Module, scheme: QuantizationScheme) -> list[str]:
-        """Materialize ``layer``, its Linears whose weights the checkpoint stores as 4-bit codes in groups held as
-        stored in int4 (QuantizedLinear from the stored codes, never re-rounded into more bits: held_as_stored)
-        instead of read dense; returns the checkpoint names read, those Linears' weights first."""
-        held = {}
-        for parent, child_name, linear in dense_linears(layer):
-            weight_name = self.name_of(linear) + ".weight"
-            held_scheme = held_as_stored(scheme, self.checkpoint.stored_int4_group_size(weight_name),
-                                         linear.out_features, linear.in_features, self.device)
-            if held_scheme is not None:
-                held[weight_name] = (parent, child_name, linear, held_scheme)
-        names = self.materialize(layer, except_names=frozenset(held))
-        for weight_name, (parent, child_name, linear, held_scheme) in held.items():
+        """Materialize ``layer``, its Linears that hearth/inference/held_forms.py holds otherwise than ``scheme``
+        rounds them already in that form: those stored as 4-bit codes in groups as QuantizedLinear from the stored
+        codes (never read dense, nor re-rounded), a 4-bit mix's more precise ones read and then held in int8; returns
+        the checkpoint names read, the stored codes' first."""
+        linears = [(parent, child_name, linear, self.name_of(linear) + ".weight")
+                   for parent, child_name, linear in dense_linears(layer)]
+        stored_types = {weight_name: self.checkpoint.stored_type(weight_name) for *_, weight_name in linears}
+        precision = stored_precision((weight_name, stored_types[weight_name], list(linear.weight.shape))
+                                     for _, _, linear, weight_name in linears)
+        as_stored, kept = {}, []
+        for parent, child_name, linear, weight_name in linears:
+            held = held_scheme(scheme, stored_types[weight_name], tuple(linear.weight.shape), precision, self.device)
+            if held is not None and held.kind == "int4":
+                as_stored[weight_name] = (parent, child_name, linear, held)
+            elif held is not None:
+                kept.append((parent, child_name, linear, held))
+        names = self.materialize(layer, except_names=frozenset(as_stored))
+        for weight_name, (parent, child_name, linear, held) in as_stored.items():
             stored = self.checkpoint.read_int4_groups(weight_name, self.device)
-            setattr(parent, child_name, QuantizedLinear(linear, held_scheme, stored))
-        return [*held, *names]
+            setattr(parent, child_name, QuantizedLinear(linear, held, stored))
+        for parent, child_name, linear, held in kept:
+            setattr(parent, child_name, QuantizedLinear(linear, held))
+        return [*as_stored, *names]
 
 
 def open_skeleton(
@@ -248,18 +258,19 @@ def load_layer_range(
         check_quantizable(decoder.layers[layer_index], scheme, f"layer {layer_index} of {skeleton.info.model_id}")
     layers: dict[int, nn.Module] = {}
     loaded_names: list[str] = []
-    held_as_stored_count = 0
+    held_otherwise: Counter[str] = Counter()
     for layer_index in range(lo, hi + 1):
         layer = decoder.layers[layer_index]
         loaded = skeleton.materialize_layer(layer, scheme)
-        held_as_stored_count += sum(isinstance(m, QuantizedLinear) for m in layer.modules())
+        held_otherwise.update(m.scheme.label for m in layer.modules() if isinstance(m, QuantizedLinear))
         loaded_names += loaded
         assert_materialized(layer, f"layer {layer_index}")
         quantize_linears(layer, scheme)
         layers[layer_index] = layer
-    if held_as_stored_count:
-        logger.info("layers %d-%d of %s: %d Linears held in their stored 4-bit form (int4, the stored groups) "
-                    "instead of %s", lo, hi, skeleton.info.model_id, held_as_stored_count, scheme.label)
+    if held_otherwise:
+        logger.info("layers %d-%d of %s under %s: %s (as the checkpoint stores them: held_forms.py)", lo, hi,
+                    skeleton.info.model_id, scheme.label,
+                    ", ".join(f"{count} Linears held in {label}" for label, count in sorted(held_otherwise.items())))
     use_cpu_linear_kernel(layers.values(), cpu_linear_kernel, skeleton.device,
                           next(layers[lo].parameters()).dtype)
     if skeleton.device.type == "cpu":  # only once the weights are in (heap.bound_arena_tops says why)

@@ -22,7 +22,8 @@ from .gguf_checkpoint import default_read_device, single_gguf_in
 from .gguf_tensor_table import gguf_layer_tensors, layer_tensor_blocks
 from hearth.formats.gguf_support import FLOAT_GGUF_TYPE_NAMES, SUPPORTED_GGUF_TYPE_NAMES, is_gguf_file
 from .gguf_int4 import STORED_INT4_GROUP_SIZES
-from .quantization import QuantizationScheme, held_as_stored, parse_quantization
+from .held_forms import held_as_stored, held_scheme, kept_precise, layer_precisions, stored_precision
+from .quantization import QuantizationScheme, parse_quantization
 from .sessions import kv_bytes_per_token_per_layer
 from .weight_codes import int4_held_bytes, int8_held_bytes
 
@@ -37,7 +38,7 @@ def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,
     """Bytes each decoder layer's tensors take once loaded in `compute_dtype` (floating tensors are converted) and
     quantized under `quantization` (a decoder layer's floating matrices are all Linear weights: they take the
     scheme's bytes, hearth/inference/quantization.py; norms and biases stay dense) on `device` (where a GGUF's 4-bit
-    weights are held as stored: quantization.held_as_stored)."""
+    weights are held as stored, and a 4-bit mix's more precise ones in int8: hearth/inference/held_forms.py)."""
     scheme = parse_quantization(quantization)
     return layer_weight_bytes_of(layer_tensor_specs(model_path), compute_dtype, scheme, device=device)
 
@@ -67,16 +68,20 @@ def layer_weight_bytes_of(tensors: Iterable[tuple[str, str, list[int]]], compute
                           device: torch.device | str = default_read_device) -> dict[int, int]:
     """layer_weight_bytes from each tensor's (name, stored type, shape), wherever they were read (a folder's
     headers, the community store's manifest, the hub's headers); the stored type is a safetensors dtype such as
-    "BF16" or a GGUF block type such as "Q4_1" (read in the compute dtype, 4-bit groups held as stored on
-    `device`: _held_bytes); tensors outside the decoder layers are left out."""
+    "BF16" or a GGUF block type such as "Q4_1" (read in the compute dtype, held on `device` as each layer's stored
+    types make it: _held_bytes); tensors outside the decoder layers are left out."""
     scheme = parse_quantization(quantization)
     element = compute_dtype.itemsize
+    tensors = list(tensors)
+    precisions = layer_precisions(tensors)
     totals: dict[int, int] = defaultdict(int)
     for name, stored_dtype, shape in tensors:
         if (found := _layer_name_re.search(name)) is None:
             continue
+        layer = int(found.group(1))
         if stored_dtype in QUANTIZED_GGUF_TYPE_NAMES:
-            totals[int(found.group(1))] += _held_bytes(tuple(shape), stored_dtype, scheme, element, device)
+            totals[layer] += _held_bytes(tuple(shape), stored_dtype, scheme, element, device,
+                                         precisions.get(layer, "none"))
             continue
         stored = SAFETENSORS_DTYPES.get(stored_dtype)
         if stored is None:
@@ -87,7 +92,7 @@ def layer_weight_bytes_of(tensors: Iterable[tuple[str, str, list[int]]], compute
             size = quantized_weight_bytes(shape[0], shape[1], scheme, element)
         else:
             size = math.prod(shape) * element_bytes
-        totals[int(found.group(1))] += size
+        totals[layer] += size
     return dict(totals)
 
 
@@ -109,13 +114,30 @@ def weights_held_as_stored(model_path: Path, quantization: str | QuantizationSch
     return dict(sorted(held.items()))
 
 
+def weights_kept_precise(model_path: Path, quantization: str | QuantizationScheme) -> dict[str, int]:
+    """{GGUF block type: how many decoder-layer weights of it} that `quantization` holds in int8 as a 4-bit mix's
+    more precise matrices (held_forms.kept_precise) rather than rounding them to its 4 bits; empty for a checkpoint
+    that is no GGUF, and for any scheme but int4."""
+    scheme = parse_quantization(quantization)
+    path = single_gguf_in(model_path) if model_path.is_dir() else model_path
+    if scheme.kind != "int4" or path is None or not is_gguf_file(path):
+        return {}
+    kept: Counter[str] = Counter()
+    for layer, tensors in layer_tensor_blocks(path).items():
+        precision = stored_precision((f"layers.{layer}.{index}", block_type, list(shape))
+                                     for index, (shape, block_type) in enumerate(tensors))
+        kept.update(block_type for shape, block_type in tensors
+                    if len(shape) == 2 and kept_precise(scheme, block_type, precision) is not None)
+    return dict(sorted(kept.items()))
+
+
 def _held_bytes(shape: tuple[int, ...], block_type: str, scheme: QuantizationScheme, element: int,
-                device: torch.device | str) -> int:
+                device: torch.device | str, layer_precision: str) -> int:
     # A GGUF's layer tensors are dequantized to the compute dtype (hearth/inference/gguf_checkpoint.py): its 2-D ones
-    # are the Linear weights the scheme quantizes again, but those stored in 4-bit groups that are held as stored.
+    # are the Linear weights the scheme quantizes again, but those held_forms.py holds otherwise.
     if not scheme.quantized or len(shape) != 2:
         return math.prod(shape) * element
-    held = held_as_stored(scheme, STORED_INT4_GROUP_SIZES.get(block_type), shape[0], shape[1], device)
+    held = held_scheme(scheme, block_type, shape, layer_precision, device)
     return quantized_weight_bytes(shape[0], shape[1], held or scheme, element)
 
 

@@ -13,8 +13,8 @@ CPU): a float32 layer's inputs are rounded to bfloat16 for the product and its r
 product is computed on its own whatever the batch, so a range split over hops gives the very logits of one whole
 range, and batched steps (and the head's batched logits) equal one-row ones bit for bit.
 
-A weight stored as 4-bit codes in groups (a GGUF's Q4_0, Q4_1, Q4_K) is never re-rounded into more bits than it is
-stored in: under int8, or int4 of its own group, it is held as stored in int4 of its groups (held_as_stored).
+What each weight of a GGUF is held in, given how it is stored (its 4-bit groups as they are, a 4-bit mix's more
+precise matrices in int8), is hearth/inference/held_forms.py's.
 
 On CUDA the same codes run on torch's CUDA kernels: int4 on ``torch._weight_int4pack_mm`` (tinygemm, packed by
 ``torch._convert_weight_to_int4pack``; compute capability 8.0 or newer); int8 on ``torch._int_mm`` (cuBLASLt's int8
@@ -171,23 +171,6 @@ class Int4Groups:
         scales = self.scales[first:last]
         zeros = self.minimums[first:last] + scales * INT4_MIDPOINT
         return self.codes[first:last], torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
-
-
-def held_as_stored(scheme: QuantizationScheme, stored_int4_group: int | None, out_features: int, in_features: int,
-                   device: torch.device | str) -> QuantizationScheme | None:
-    """The int4 scheme to hold, as stored, a Linear weight stored as 4-bit codes in groups of ``stored_int4_group``
-    inputs: under int8 (more bits than stored) or int4 of that group, where device and shape have the int4 kernel;
-    None when it follows ``scheme`` (stored otherwise, "none", or int4 of another group: the group asked for)."""
-    if stored_int4_group is None or not scheme.quantized or stored_int4_group not in INT4_GROUP_SIZES:
-        return None
-    stored = QuantizationScheme("int4", stored_int4_group)
-    if scheme.kind == "int4" and scheme != stored:
-        return None
-    try:
-        check_device_supports(stored, device)
-    except QuantizationError:
-        return None
-    return None if _int4_shape_problem(out_features, in_features, stored) else stored
 
 
 # ----------------------------------------------------------------------------------------------- memory figures
@@ -348,11 +331,11 @@ def check_quantizable(layer: nn.Module, scheme: QuantizationScheme, what: str) -
     if scheme.kind != "int4":
         return
     for parent, name, linear in dense_linears(layer):
-        if problem := _int4_shape_problem(linear.out_features, linear.in_features, scheme):
+        if problem := int4_shape_problem(linear.out_features, linear.in_features, scheme):
             raise QuantizationError(f"{what}: {name} has {problem}")
 
 
-def _int4_shape_problem(out_features: int, in_features: int, scheme: QuantizationScheme) -> str | None:
+def int4_shape_problem(out_features: int, in_features: int, scheme: QuantizationScheme) -> str | None:
     """Why torch's int4 kernel cannot hold a Linear of that shape under ``scheme`` (its packing), None if it can."""
     if in_features % scheme.group_size:
         return (f"{in_features} input features, not a multiple of {scheme.label}'s group size {scheme.group_size}; "

@@ -5,54 +5,25 @@ A household's GGUF of 4-bit blocks is what it would run with llama.cpp or Ollama
 would be dequantized to full precision, four to eight times the memory and slower (BENCHMARKS.md, "`hearth demo`").
 A part of a GGUF (a layer range fetched from the community store or the hub) resolves from its own layers: llama.cpp's
 mixes hold the same majority in every layer (Q4_K_M keeps attn_v and ffn_down of some layers in Q6_K, under a third
-of such a layer's elements), so the hosts of one file resolve one scheme and their ranges form one pipeline (which
-never mixes schemes). A head's part holds no layer: its lm_head is held as its own weight is stored
-(resolved_head_scheme).
+of such a layer's elements, and int4 holds those in int8: hearth/inference/held_forms.py), so the hosts of one file
+resolve one scheme and their ranges form one pipeline (which never mixes schemes). A head's part holds no layer: its
+lm_head is held as its own weight is stored (resolved_head_scheme).
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from .held_forms import stored_precision
 from .memory import layer_tensor_specs
-from .partial_checkpoint import layer_of
-from .quantization import AUTO_QUANTIZATION, HEAD_QUANTIZATION, QUANTIZATION_KINDS, QuantizationError, \
-    QuantizationScheme, check_device_supports, parse_quantization
+from .quantization import AUTO_QUANTIZATION, HEAD_QUANTIZATION, QuantizationError, QuantizationScheme, \
+    check_device_supports, parse_quantization
 
-# What auto holds each stored type of a layer's matrices in: 4-bit blocks and below as int4 (of the stored groups of
-# 32: Q4_0, Q4_1 and Q4_K are held as stored), 5- to 8-bit blocks as int8, floats as they are.
-_INT4_STORED_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K"})
-_INT8_STORED_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"})
 # Where a device has no kernel for what a checkpoint stores, auto takes the next more precise scheme.
 _MORE_PRECISE = {"int4": "int8", "int8": "none"}
-
-
-def stored_type_precision(stored_type: str) -> str:
-    """The scheme label auto holds a matrix stored as `stored_type` in (a GGUF block type name such as "Q4_K", or a
-    safetensors dtype such as "BF16": full precision)."""
-    if stored_type in _INT4_STORED_TYPES:
-        return "int4"
-    if stored_type in _INT8_STORED_TYPES:
-        return "int8"
-    return "none"
-
-
-def stored_precision(tensors: Iterable[tuple[str, str, list[int]]]) -> str:
-    """The label of the precision that holds most of the decoder layers' matrix elements, of tensors given as (name,
-    stored type, shape) as hearth/inference/memory.py's layer_weight_bytes_of takes them; a tie goes to the more
-    precise, and a checkpoint without layer matrices is `none`."""
-    elements: Counter[str] = Counter()
-    for name, stored_type, shape in tensors:
-        if len(shape) == 2 and layer_of(name) is not None:  # norms and biases are held dense by every scheme
-            elements[stored_type_precision(stored_type)] += math.prod(shape)
-    if not elements:
-        return "none"
-    return min(elements, key=lambda label: (-elements[label], QUANTIZATION_KINDS.index(label)))
 
 
 def checkpoint_precision(model_path: Path) -> str:

@@ -4,9 +4,11 @@ speaking another."""
 from __future__ import annotations
 
 # Raised whenever a change to what shards and orchestrators say to each other (`open`, activation frames, notices,
-# keepalives) would make a peer of the previous version fail; a shard advertises it and an orchestrator's `open`
-# carries it. 1 is every hearth from before it was told (adverts and opens without the field).
-MESH_PROTOCOL = 2
+# keepalives) would make a peer of the previous version fail, or to the weights a scheme's label stands for (a
+# pipeline or failover mixing them would not give one version's tokens); a shard advertises it and an
+# orchestrator's `open` carries it. 1 is every hearth from before it was told (adverts and opens without the field);
+# 3 holds a 4-bit mix's more precise matrices in int8 under int4 (hearth/inference/held_forms.py).
+MESH_PROTOCOL = 3
 UNVERSIONED_MESH_PROTOCOL = 1
 # Far above any version there will be: a bound on what a peer may claim.
 max_mesh_protocol = 2**15

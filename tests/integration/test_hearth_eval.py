@@ -26,7 +26,8 @@ SAMPLE_TEXT = Path(__file__).resolve().parents[1] / "data" / "eval_sample.txt"
 IQ4_NL = GGMLQuantizationType.IQ4_NL  # a block type gguf.quants knows and hearth does not read
 REPORT_KEYS = {"model", "text", "token_source", "context_tokens", "windows", "positions", "reference_dtype",
                "reference_perplexity", "schemes"}
-SCHEME_KEYS = {"scheme", "mean_kl_nats", "max_kl_nats", "top1_agreement", "perplexity", "held_as_stored"}
+SCHEME_KEYS = {"scheme", "mean_kl_nats", "max_kl_nats", "top1_agreement", "perplexity", "held_as_stored",
+               "kept_precise"}
 
 
 @pytest.fixture(scope="module")

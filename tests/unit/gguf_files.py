@@ -95,6 +95,48 @@ def round_trip(values: np.ndarray, block_type: GGMLQuantizationType) -> np.ndarr
     return gguf.quants.dequantize(stored_as(values, block_type), block_type).astype(np.float32)
 
 
+def quantized_q6_k(values: np.ndarray) -> np.ndarray:
+    """`values` (rows a multiple of 256 wide) as Q6_K blocks, which gguf.quants cannot write: per super-block of 256,
+    16 sub-blocks of 16 values, each an int8 scale of the block's float16 d, the values 6-bit codes minus 32 packed
+    as gguf.quants' Q6_K reader unpacks them (low nibbles, then the high two bits four to a byte)."""
+    rows, columns = values.shape
+    sub_blocks = values.astype(np.float32).reshape(-1, 16, 16)
+    blocks = len(sub_blocks)
+    extreme = np.take_along_axis(sub_blocks, np.abs(sub_blocks).argmax(axis=2)[..., None], axis=2)[..., 0]
+    sub_scales = extreme / -32.0  # each sub-block's largest magnitude is code -32
+    d = (np.take_along_axis(sub_scales, np.abs(sub_scales).argmax(axis=1)[:, None], axis=1)[:, 0] / -128.0)
+    d = d.astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scales = np.clip(np.nan_to_num(np.round(sub_scales / d.astype(np.float32)[:, None])), -128, 127).astype(np.int8)
+        steps = d.astype(np.float32)[:, None, None] * scales.astype(np.float32)[..., None]
+        codes = np.nan_to_num(np.round(sub_blocks / steps))
+    codes = (np.clip(codes, -32, 31) + 32).astype(np.uint8)
+    nibbles = (codes & 0x0F).reshape(blocks, 2, 2, 64)
+    low = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(blocks, 128)
+    tops = (codes >> 4).reshape(blocks, 2, 4, 32)
+    high = (tops[:, :, 0] | (tops[:, :, 1] << 2) | (tops[:, :, 2] << 4) | (tops[:, :, 3] << 6)).reshape(blocks, 64)
+    packed = np.concatenate([low, high, scales.view(np.uint8), d.reshape(blocks, 1).view(np.uint8)], axis=1)
+    return packed.reshape(rows, -1)
+
+
+def q4_k_m_like(source: Path, path: Path, more_bits_layers: tuple[int, ...]) -> Path:
+    """A copy of the float32 tiny llama GGUF `source` mixed as llama.cpp's Q4_K_M mixes a model: its layer matrices
+    in 4-bit blocks (Q4_1), but attn_v (Q8_0: its rows are too narrow for a K-quant, as llama.cpp falls back) and
+    ffn_down (Q6_K; the source's intermediate size a multiple of 256) of `more_bits_layers` in more bits."""
+
+    def mixed(name: str, values: np.ndarray) -> tuple[np.ndarray, GGMLQuantizationType | None]:
+        parts = name.split(".")
+        if values.ndim != 2 or parts[0] != "blk":
+            return values, None
+        if int(parts[1]) in more_bits_layers and parts[2] == "attn_v":
+            return gguf.quants.quantize(values, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+        if int(parts[1]) in more_bits_layers and parts[2] == "ffn_down":
+            return quantized_q6_k(values), GGMLQuantizationType.Q6_K
+        return gguf.quants.quantize(values, GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1
+
+    return rewrite_gguf(source, path, "llama", mixed)
+
+
 def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]

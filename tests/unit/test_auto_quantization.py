@@ -14,12 +14,8 @@ from pydantic import ValidationError
 
 from hearth.inference import load_head, load_layer_range
 from hearth.inference.quantization import QuantizedLinear
-from hearth.inference.stored_precision import (
-    resolved_head_scheme,
-    resolved_scheme,
-    stored_precision,
-    stored_type_precision,
-)
+from hearth.inference.held_forms import stored_precision, stored_type_precision
+from hearth.inference.stored_precision import resolved_head_scheme, resolved_scheme
 from hearth.protocol.chat import ChatParams
 from hearth.services.common.config import HearthSettings, HostSettings
 from hearth.services.devtools.bench.monolithic import MonolithicModel

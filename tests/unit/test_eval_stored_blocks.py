@@ -1,5 +1,5 @@
 """`hearth eval` of a GGUF whose layers are stored in 4-bit blocks of 32 (Q4_1 here) says that int8 and int4/g32
-serve those blocks as they are stored (hearth/inference/quantization.py held_as_stored), in its table and its JSON:
+serve those blocks as they are stored (hearth/inference/held_forms.py held_as_stored), in its table and its JSON:
 before, the two schemes' identical figures on such a file read like a bug."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from hearth.inference import (
     CheckpointError, InferenceError, LocalModel, QuantizationError, load_full, read_config_dict,
 )
 from hearth.inference.gguf_int4 import STORED_INT4_GROUP_SIZES
-from hearth.inference.memory import weights_held_as_stored
+from hearth.inference.memory import weights_held_as_stored, weights_kept_precise
 from hearth.inference.stored_precision import resolved_scheme
 from hearth.services.devtools.bench.eval_options import EVAL_MAX_TEXT_BYTES, EvalOptions
 from hearth.services.devtools.bench.quality_metrics import QualityTotals, compare_logits
@@ -40,11 +40,19 @@ class EvalInputError(ValueError):
 
 
 class StoredBlocksHeld(BaseModel):
-    """A GGUF's 4-bit blocks a scheme serves as they are stored (quantization.held_as_stored): int8, and int4 of the
+    """A GGUF's 4-bit blocks a scheme serves as they are stored (held_forms.held_as_stored): int8, and int4 of the
     stored group, hold them alike, so their figures agree on those weights."""
 
     weights: dict[str, int]  # GGUF block type -> decoder-layer weights stored in it and served so
     held_in: str  # the scheme those weights are held in: int4 of the stored groups ("int4/g32")
+
+
+class PreciseBlocksKept(BaseModel):
+    """A 4-bit mix's more precise blocks (Q6_K, Q5_K, Q8_0 ... in layers mostly of 4-bit blocks) that int4 holds in
+    int8 rather than rounding them to 4 bits (held_forms.kept_precise), as int8 does: their figures agree on them."""
+
+    weights: dict[str, int]  # GGUF block type -> decoder-layer weights stored in it and held in int8
+    held_in: str = "int8"
 
 
 class SchemeQuality(BaseModel):
@@ -55,6 +63,8 @@ class SchemeQuality(BaseModel):
     perplexity: float
     # None: the scheme rounds every layer weight itself.
     held_as_stored: StoredBlocksHeld | None = None
+    # None: the scheme keeps no layer weight in more bits than its own.
+    kept_precise: PreciseBlocksKept | None = None
 
 
 class EvalReport(BaseModel):
@@ -105,7 +115,7 @@ def evaluate(options: EvalOptions) -> EvalReport:
         if not windows:
             raise EvalInputError(f"{options.text} holds fewer than 2 tokens: nothing to predict")
         positions = sum(len(window) - 1 for window in windows)
-        results: list[tuple[str, QualityTotals, StoredBlocksHeld | None]] = []
+        results: list[tuple[str, QualityTotals, StoredBlocksHeld | None, PreciseBlocksKept | None]] = []
         with tqdm(total=positions * len(schemes), unit="tok", file=sys.stderr, desc="hearth eval") as progress:
             for scheme in schemes:
                 progress.set_description(f"{scheme.label}: loading")
@@ -119,8 +129,8 @@ def evaluate(options: EvalOptions) -> EvalReport:
         reference_perplexity=results[0][1].reference_perplexity,
         schemes=[SchemeQuality(scheme=label, mean_kl_nats=totals.mean_kl_nats, max_kl_nats=totals.max_kl_nats,
                                top1_agreement=totals.top1_agreement, perplexity=totals.quantized_perplexity,
-                               held_as_stored=held)
-                 for label, totals, held in results])
+                               held_as_stored=held, kept_precise=kept)
+                 for label, totals, held, kept in results])
 
 
 def _load_whole(model_path: Path, quantization) -> LocalModel:
@@ -131,7 +141,7 @@ def _load_whole(model_path: Path, quantization) -> LocalModel:
 
 
 def _measure_scheme(reference: LocalModel, model_path: Path, scheme, windows: Sequence[list[int]],
-                    progress) -> tuple[QualityTotals, StoredBlocksHeld | None]:
+                    progress) -> tuple[QualityTotals, StoredBlocksHeld | None, PreciseBlocksKept | None]:
     try:
         quantized = _load_whole(model_path, scheme)
     except QuantizationError as error:  # a scheme this model's shapes cannot take (an int4 group size)
@@ -143,7 +153,9 @@ def _measure_scheme(reference: LocalModel, model_path: Path, scheme, windows: Se
             targets = torch.tensor(window[1:], dtype=torch.long)
             totals += compare_logits(window_logits(reference, window), window_logits(quantized, window), targets)
             progress.update(len(window) - 1)
-        return totals, stored_blocks_held(model_path, scheme, quantized.runner.device)
+        kept = weights_kept_precise(model_path, scheme)
+        return totals, stored_blocks_held(model_path, scheme, quantized.runner.device), \
+            PreciseBlocksKept(weights=kept) if kept else None
     finally:
         quantized.close()
         del quantized
@@ -243,6 +255,10 @@ def format_eval_report(report: EvalReport) -> str:
             blocks = ", ".join(f"{count} {block_type}" for block_type, count in held.weights.items())
             lines.append(f"{row.scheme}: serves the GGUF's stored 4-bit blocks as they are ({blocks} layer weights, "
                          f"held in {held.held_in}), so it agrees with any scheme that does so on those weights")
+        if (kept := row.kept_precise) is not None:
+            blocks = ", ".join(f"{count} {block_type}" for block_type, count in kept.weights.items())
+            lines.append(f"{row.scheme}: keeps the 4-bit mix's more precise blocks in {kept.held_in} ({blocks} layer "
+                         f"weights), as {kept.held_in} does, rather than rounding them to 4 bits")
     return "\n".join(lines)
 
 
