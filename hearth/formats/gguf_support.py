@@ -12,10 +12,11 @@ GGUF_MAGIC = b"GGUF"
 GGUF_SUFFIX = ".gguf"
 # general.architecture values hearth serves (llama.cpp writes Mistral models as "llama").
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-# Storage types hearth reads: plain floats, and the legacy and K-quant block types gguf.quants dequantizes (its IQ
-# and TQ types are left out until tested; integer tensors are no weights).
+# Storage types hearth reads: plain floats, and the legacy, K-quant and 4-bit I-quant block types gguf.quants
+# dequantizes (its lower-bit IQ types, TQ and MXFP4 are left out until tested; integer tensors are no weights).
 SUPPORTED_GGUF_TYPE_NAMES = (
     "F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ4_NL", "IQ4_XS",
 )
 # Block types that hold plain floats; every other supported type is a quantized block.
 FLOAT_GGUF_TYPE_NAMES = frozenset({"F32", "F16", "BF16", "F64"})

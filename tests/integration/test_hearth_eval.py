@@ -23,7 +23,7 @@ from tests.unit.inference_tiny_models import one_torch_thread, write_tiny_model 
 pytestmark = pytest.mark.integration
 
 SAMPLE_TEXT = Path(__file__).resolve().parents[1] / "data" / "eval_sample.txt"
-IQ4_NL = GGMLQuantizationType.IQ4_NL  # a block type gguf.quants knows and hearth does not read
+MXFP4 = GGMLQuantizationType.MXFP4  # a block type gguf.quants knows and hearth does not read
 REPORT_KEYS = {"model", "text", "token_source", "context_tokens", "windows", "positions", "reference_dtype",
                "reference_perplexity", "schemes"}
 SCHEME_KEYS = {"scheme", "mean_kl_nats", "max_kl_nats", "top1_agreement", "perplexity", "held_as_stored",
@@ -111,17 +111,18 @@ def test_a_gguf_in_a_block_type_hearth_does_not_read_is_bad_input(tmp_path, monk
     monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))  # its parsed metadata, not in the user's cache
     source, _ = write_tiny_gguf(tmp_path, "llama", GGMLQuantizationType.F32)
 
-    def one_tensor_in_iq4_nl(name: str, values: np.ndarray):
+    def one_tensor_in_mxfp4(name: str, values: np.ndarray):
         if name != "blk.0.ffn_down.weight":
             return values, None
-        return np.zeros(gguf.quant_shape_to_byte_shape(values.shape, IQ4_NL), dtype=np.uint8), IQ4_NL
+        return np.zeros(gguf.quant_shape_to_byte_shape(values.shape, MXFP4), dtype=np.uint8), MXFP4
 
-    path = rewrite_gguf(source, tmp_path / "iq4.gguf", "llama", one_tensor_in_iq4_nl)
+    path = rewrite_gguf(source, tmp_path / "mxfp4.gguf", "llama", one_tensor_in_mxfp4)
     result = run_eval("--model", str(path), "--text", str(SAMPLE_TEXT), "--max-tokens", "16")
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines()[-1] == (
-        "hearth eval: tensor blk.0.ffn_down.weight of iq4.gguf is stored as IQ4_NL, a GGUF type hearth does not "
-        "read (it reads F32, F16, BF16, F64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)")
+        "hearth eval: tensor blk.0.ffn_down.weight of mxfp4.gguf is stored as MXFP4, a GGUF type hearth does not "
+        "read (it reads F32, F16, BF16, F64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, "
+        "IQ4_XS)")
     assert "Traceback" not in result.output
 
 

@@ -119,6 +119,24 @@ def quantized_q6_k(values: np.ndarray) -> np.ndarray:
     return packed.reshape(rows, -1)
 
 
+IQ4_NL_LEVELS = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
+
+
+def quantized_iq4_nl(values: np.ndarray) -> np.ndarray:
+    """`values` (rows a multiple of 32 wide) as IQ4_NL blocks, which gguf.quants cannot write: per block of 32, a
+    float16 d and each value's nearest of the 16 levels (int8, uneven) times d, as 4-bit indices (the block's first
+    16 in the low nibbles)."""
+    rows, _ = values.shape
+    blocks = values.astype(np.float32).reshape(-1, 32)
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)[:, 0]
+    d = (extreme / IQ4_NL_LEVELS[0]).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.nan_to_num(blocks / d.astype(np.float32)[:, None])
+    indices = np.abs(scaled[..., None] - IQ4_NL_LEVELS).argmin(axis=2).astype(np.uint8)
+    packed = np.concatenate([d.reshape(-1, 1).view(np.uint8), indices[:, :16] | (indices[:, 16:] << 4)], axis=1)
+    return packed.reshape(rows, -1)
+
+
 def q4_k_m_like(source: Path, path: Path, more_bits_layers: tuple[int, ...]) -> Path:
     """A copy of the float32 tiny llama GGUF `source` mixed as llama.cpp's Q4_K_M mixes a model: its layer matrices
     in 4-bit blocks (Q4_1), but attn_v (Q8_0: its rows are too narrow for a K-quant, as llama.cpp falls back) and

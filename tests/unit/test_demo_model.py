@@ -117,22 +117,22 @@ def write_gguf(path: Path, architecture: str, *, layers: int, tensors: dict) -> 
 
 @pytest.fixture
 def unservable_ggufs(tmp_path):
-    """A one-layer mamba GGUF, and a llama GGUF with a layer tensor in IQ4_NL (32 values in 18 bytes a block)."""
+    """A one-layer mamba GGUF, and a llama GGUF with a layer tensor in MXFP4 (32 values in 17 bytes a block)."""
     mamba = write_gguf(tmp_path / "mamba.gguf", "mamba", layers=1,
                        tensors={"blk.0.ssm_in.weight": (np.zeros((4, 32), np.float32), None)})
-    iq4 = write_gguf(tmp_path / "iq4.gguf", "llama", layers=2, tensors={
-        "blk.0.attn_q.weight": (np.zeros((4, 18), np.uint8), gguf.GGMLQuantizationType.IQ4_NL),
+    mxfp4 = write_gguf(tmp_path / "mxfp4.gguf", "llama", layers=2, tensors={
+        "blk.0.attn_q.weight": (np.zeros((4, 17), np.uint8), gguf.GGMLQuantizationType.MXFP4),
         # A vision tower's tensor is no part of the text model hearth serves: its type is not checked.
-        "v.patch_embd.weight": (np.zeros((4, 18), np.uint8), gguf.GGMLQuantizationType.IQ4_NL),
+        "v.patch_embd.weight": (np.zeros((4, 17), np.uint8), gguf.GGMLQuantizationType.MXFP4),
     })
-    return mamba, iq4
+    return mamba, mxfp4
 
 
 def test_a_gguf_no_shard_serves_is_refused_in_the_shards_words(unservable_ggufs):
     from hearth.inference.errors import CheckpointError
     from hearth.inference.gguf_header import checked_gguf_header, read_gguf_header
 
-    mamba, iq4 = unservable_ggufs
+    mamba, mxfp4 = unservable_ggufs
     with pytest.raises(DemoError, match=r"^GGUF mamba.gguf holds a 'mamba' model; hearth serves llama, ") as refused:
         resolve_demo_model(str(mamba))
     assert refused.value.exit_code == 2
@@ -140,11 +140,11 @@ def test_a_gguf_no_shard_serves_is_refused_in_the_shards_words(unservable_ggufs)
         checked_gguf_header(mamba)
     assert str(shard.value) == str(refused.value)
 
-    with pytest.raises(DemoError, match=r"^tensor blk.0.attn_q.weight of iq4.gguf is stored as IQ4_NL, a GGUF type "
+    with pytest.raises(DemoError, match=r"^tensor blk.0.attn_q.weight of mxfp4.gguf is stored as MXFP4, a GGUF type "
                                         r"hearth does not read \(it reads F32, ") as refused:
-        resolve_demo_model(str(iq4))
+        resolve_demo_model(str(mxfp4))
     with pytest.raises(CheckpointError) as shard:
-        read_gguf_header(iq4, check_tensors=True)
+        read_gguf_header(mxfp4, check_tensors=True)
     assert str(shard.value) == str(refused.value)
 
 

@@ -18,7 +18,7 @@ from hearth.services.doctor.model_checks import _layer_bytes, memory_check, mode
 from .gguf_files import own_cache, rewrite_gguf, tiny_gguf  # noqa: F401  (fixtures)
 
 TINY = data_dir("models") / "hearth-tiny-llama"
-IQ4_NL = GGMLQuantizationType.IQ4_NL
+MXFP4 = GGMLQuantizationType.MXFP4
 
 
 def test_the_bundled_checkpoint_folder_passes_by_its_name_too():
@@ -61,15 +61,15 @@ def test_a_gguf_is_checked_and_weighed_without_writing_the_gguf_cache(tiny_gguf,
 def test_a_gguf_with_a_layer_in_a_block_type_hearth_does_not_read_fails(tiny_gguf, tmp_path):
     source, _reference = tiny_gguf("llama", GGMLQuantizationType.F32)
 
-    def one_tensor_in_iq4_nl(name: str, values: np.ndarray):
+    def one_tensor_in_mxfp4(name: str, values: np.ndarray):
         if name != "blk.0.ffn_down.weight":
             return values, None
-        return np.zeros(gguf.quant_shape_to_byte_shape(values.shape, IQ4_NL), dtype=np.uint8), IQ4_NL
+        return np.zeros(gguf.quant_shape_to_byte_shape(values.shape, MXFP4), dtype=np.uint8), MXFP4
 
-    path = rewrite_gguf(source, tmp_path / "iq4.gguf", "llama", one_tensor_in_iq4_nl)
+    path = rewrite_gguf(source, tmp_path / "mxfp4.gguf", "llama", one_tensor_in_mxfp4)
     line, source = model_source_check(str(path))
     assert line.verdict == "fail" and source.local is None
-    assert "tensor blk.0.ffn_down.weight of iq4.gguf is stored as IQ4_NL" in line.detail
+    assert "tensor blk.0.ffn_down.weight of mxfp4.gguf is stored as MXFP4" in line.detail
 
 
 def _scheme(label: str):

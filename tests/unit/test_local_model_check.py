@@ -20,7 +20,7 @@ from hearth.services.orchestrator.main import OrchestratorOptions, check_local_m
 
 from .gguf_files import own_cache  # noqa: F401  (a fixture)
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
-from .test_host_gguf_block_types import one_layer_tensor_in_iq4_nl
+from .test_host_gguf_block_types import one_layer_tensor_in_mxfp4
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "hearth-tiny-llama"
 
@@ -38,7 +38,7 @@ def folder_with_config(tmp_path: Path, text: str) -> Path:
     (lambda tmp_path: folder_with_config(tmp_path, '{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}'),
      "unsupported architecture MambaForCausalLM"),
     (lambda tmp_path: folder_with_config(tmp_path, (MODEL / "config.json").read_text()), "has no safetensors weights"),
-    (lambda tmp_path: one_layer_tensor_in_iq4_nl(tmp_path), "stored as IQ4_NL, a GGUF type hearth does not read"),
+    (lambda tmp_path: one_layer_tensor_in_mxfp4(tmp_path), "stored as MXFP4, a GGUF type hearth does not read"),
 ], ids=["missing", "config-not-json", "unsupported-family", "no-weights", "gguf-layer-unreadable"])
 def test_a_local_model_that_cannot_load_is_refused_in_one_line_naming_the_option(make, why, tmp_path):
     spec = str(make(tmp_path))
