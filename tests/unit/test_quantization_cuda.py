@@ -17,7 +17,10 @@ from .inference_tiny_models import (  # noqa: F401  (fixtures are used by name)
     tiny_model_dir,
     write_tiny_model,
 )
+from .gguf_files import own_cache, tiny_gguf  # noqa: F401  (fixtures)
 from .test_batched_decode import decode_eight_sessions_together
+from .test_gguf_stored_int4 import held_linears
+from .test_held_forms import MORE_BITS_LAYER, mixed_gguf  # noqa: F401  (a fixture)
 from .test_quantization import PROMPT, RELATIVE_ERROR_BOUND, SCHEMES, TYPICAL_INIT_STD
 
 pytestmark = [pytest.mark.cuda,
@@ -102,3 +105,13 @@ def test_batched_quantized_sessions_on_cuda_keep_their_solo_tokens(tiny_model_di
         produced = batch.tokens[session]
         agreeing = next((i for i, (a, b) in enumerate(zip(produced, tokens)) if a != b), len(tokens))
         assert agreeing >= len(tokens) // 2, (session, produced, tokens)
+
+
+def test_int4_holds_a_4_bit_mixs_more_precise_matrices_in_int8_on_cuda_too(mixed_gguf):
+    runners = {label: load_layer_range(mixed_gguf, 0, 2, dtype="bf16", device="cuda", quantization=label,
+                                       **RUNNER_KV_LIMITS) for label in ("int4/g32", "int8")}
+    kept = {name for name, linear in held_linears(runners["int4/g32"]).items() if linear.scheme.kind == "int8"}
+    assert kept == {f"model.layers.{MORE_BITS_LAYER}.{name}.weight" for name in ("self_attn.v_proj", "mlp.down_proj")}
+    hidden = torch.randn(1, 5, runners["int8"].info.hidden_size, dtype=torch.bfloat16)
+    outputs = [runner.forward("s", hidden, 0, "prefill") for runner in runners.values()]
+    assert torch.equal(*outputs)  # every matrix held alike under both schemes
