@@ -268,9 +268,10 @@ def load_layer_range(
         quantize_linears(layer, scheme)
         layers[layer_index] = layer
     if held_otherwise:
-        logger.info("layers %d-%d of %s under %s: %s (as the checkpoint stores them: held_forms.py)", lo, hi,
-                    skeleton.info.model_id, scheme.label,
-                    ", ".join(f"{count} Linears held in {label}" for label, count in sorted(held_otherwise.items())))
+        said = [f"{count} Linears held in {label} " + ("as stored" if label.startswith("int4") else
+                                                        "(a 4-bit mix's more precise weights)")
+                for label, count in sorted(held_otherwise.items())]
+        logger.info("layers %d-%d of %s under %s: %s", lo, hi, skeleton.info.model_id, scheme.label, ", ".join(said))
     use_cpu_linear_kernel(layers.values(), cpu_linear_kernel, skeleton.device,
                           next(layers[lo].parameters()).dtype)
     if skeleton.device.type == "cpu":  # only once the weights are in (heap.bound_arena_tops says why)
