@@ -126,7 +126,7 @@ def memory_check(source: ModelSource, manifest, settings: HearthSettings, *, mem
     most = max(hi - lo + 1 for lo in range(len(layer_bytes))
                if (hi := widest_fit(lo, layer_bytes, weights_budget)) is not None)
     held = (f"quantized {scheme.label}" if scheme.quantized else "unquantized") + \
-        (" as stored (--quantize auto)" if setting == AUTO_QUANTIZATION else "")
+        (" (--quantize auto: the precision its layers are stored in)" if setting == AUTO_QUANTIZATION else "")
     return ok("memory", f"{shown_mb(budget_bytes)} MB{where} holds up to {most} of the {len(layer_bytes)} layers, "
                         f"{held}, on {compute_device} ({shown_mb(kv_reserve_bytes(shard))} MB of it the KV reserve)")
 
