@@ -97,7 +97,8 @@ def test_the_default_says_it_weighs_the_layers_as_stored(tiny_gguf):
     _line, source = model_source_check(str(path))
     check = memory_check(source, None, HearthSettings(), memory_budget_mb=100, device="cpu", dtype="fp32",
                          quantize=None)
-    assert check.verdict == "ok" and "quantized int4/g32 (--quantize auto: the precision its layers are stored in), on cpu" in check.detail
+    assert check.verdict == "ok"
+    assert "quantized int4/g32 (--quantize auto: the precision its layers are stored in), on cpu" in check.detail
 
 
 def test_a_device_this_machine_lacks_fails_the_memory_check():

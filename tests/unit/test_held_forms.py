@@ -29,9 +29,15 @@ Q6_K_ROW = 256
 
 
 @pytest.fixture
-def mixed_gguf(tiny_gguf, tmp_path):
+def mix_and_source(tiny_gguf, tmp_path):
+    """(a Q4_K_M-like mix of the tiny llama, the float32 GGUF it was made from)."""
     source, _ = tiny_gguf("llama", GGMLQuantizationType.F32, intermediate_size=Q6_K_ROW)
-    return q4_k_m_like(source, tmp_path / "mix.gguf", more_bits_layers=(MORE_BITS_LAYER,))
+    return q4_k_m_like(source, tmp_path / "mix.gguf", more_bits_layers=(MORE_BITS_LAYER,)), source
+
+
+@pytest.fixture
+def mixed_gguf(mix_and_source):
+    return mix_and_source[0]
 
 
 def test_a_q6_k_block_written_for_the_tests_reads_back_within_its_rounding():
@@ -116,3 +122,4 @@ def test_eval_says_int4_keeps_a_mixs_more_precise_blocks_and_agrees_with_int8_on
     said = [line for line in format_eval_report(report).splitlines() if "more precise blocks" in line]
     assert said == ["int4/g32: keeps the 4-bit mix's more precise blocks in int8 (1 Q6_K, 1 Q8_0 layer weights), as "
                     "int8 does, rather than rounding them to 4 bits"]
+

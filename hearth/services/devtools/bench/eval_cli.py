@@ -42,14 +42,21 @@ def eval_command(
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", min=2, max=EVAL_MAX_TOKENS_LIMIT, help="Most tokens of the text read.")
     ] = EVAL_DEFAULT_MAX_TOKENS,
+    reference: Annotated[
+        Optional[str], typer.Option("--reference", show_default=False,
+                                    help="Compare against this checkpoint of the same model in float32 instead of "
+                                         "the model's own weights (the one a GGUF was made from: what the file's "
+                                         "quantization loses counts too; --quantize none measures the file alone).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Next-token quality of quantized weights against the same weights in float32 over a text: KL divergence,
-    top-1 agreement and perplexity (progress on stderr, report on stdout; exit code 2 on bad input)."""
+    """Next-token quality of quantized weights against the same weights in float32 (or another checkpoint of the
+    model: --reference) over a text: KL divergence, top-1 agreement and perplexity (progress on stderr, report on
+    stdout; exit code 2 on bad input)."""
     from hearth.services.common.process_gc import freeze_startup_objects
     from hearth.services.devtools.bench.quality import run_eval_command
 
     freeze_startup_objects()  # it runs no event loop: its imports are done here
     options = EvalOptions(text=text, model=model, schemes=tuple(quantize or EVAL_DEFAULT_SCHEMES),
-                          context_tokens=context_tokens, max_tokens=max_tokens)
+                          context_tokens=context_tokens, max_tokens=max_tokens, reference=reference)
     raise typer.Exit(run_eval_command(options, as_json=as_json))

@@ -27,3 +27,6 @@ class EvalOptions:
     schemes: tuple[str, ...] = EVAL_DEFAULT_SCHEMES
     context_tokens: int = EVAL_DEFAULT_CONTEXT_TOKENS
     max_tokens: int = EVAL_DEFAULT_MAX_TOKENS
+    # Another full-precision checkpoint of the same model to compare against (the one a GGUF was made from); None:
+    # the model's own weights in float32.
+    reference: str | None = None

@@ -69,6 +69,8 @@ class SchemeQuality(BaseModel):
 
 class EvalReport(BaseModel):
     model: str
+    # The checkpoint the schemes were compared against (--reference); None: the model's own weights.
+    reference: str | None = None
     text: str
     token_source: str  # "tokenizer", or "utf8_bytes" for random:<shape> models and checkpoints without a tokenizer
     context_tokens: int
@@ -105,9 +107,10 @@ def evaluate(options: EvalOptions) -> EvalReport:
         model_path = resolve_demo_model(options.model).path
     except (DemoError, UnknownRandomShape) as error:
         raise EvalInputError(str(error)) from None
+    reference_path = _reference_path(options.reference) if options.reference is not None else model_path
     schemes = [_scheme(label, model_path) for label in options.schemes]
     _check_context(model_path, options.context_tokens)
-    reference = _load_whole(model_path, "none")
+    reference = _load_whole(reference_path, "none")
     try:
         feed_bytes = (model_path / RANDOM_MARKER_FILE).is_file() or not reference.head.has_tokenizer
         token_ids = text_token_ids(reference, text, options.max_tokens, feed_bytes=feed_bytes)
@@ -119,11 +122,12 @@ def evaluate(options: EvalOptions) -> EvalReport:
         with tqdm(total=positions * len(schemes), unit="tok", file=sys.stderr, desc="hearth eval") as progress:
             for scheme in schemes:
                 progress.set_description(f"{scheme.label}: loading")
-                results.append((scheme.label, *_measure_scheme(reference, model_path, scheme, windows, progress)))
+                results.append((scheme.label, *_measure_scheme(reference, model_path, scheme, windows, progress,
+                                                               text if reference_path != model_path else None)))
     finally:
         reference.close()
     return EvalReport(
-        model=str(options.model or model_path.name), text=str(options.text),
+        model=str(options.model or model_path.name), reference=options.reference, text=str(options.text),
         token_source="utf8_bytes" if feed_bytes else "tokenizer", context_tokens=options.context_tokens,
         windows=len(windows), positions=positions, reference_dtype=str(REFERENCE_DTYPE).removeprefix("torch."),
         reference_perplexity=results[0][1].reference_perplexity,
@@ -140,13 +144,16 @@ def _load_whole(model_path: Path, quantization) -> LocalModel:
                      cache_budget_bytes=shard.kv_cache_budget_bytes, session_ttl_s=shard.eviction_idle_s)
 
 
-def _measure_scheme(reference: LocalModel, model_path: Path, scheme, windows: Sequence[list[int]],
-                    progress) -> tuple[QualityTotals, StoredBlocksHeld | None, PreciseBlocksKept | None]:
+def _measure_scheme(reference: LocalModel, model_path: Path, scheme, windows: Sequence[list[int]], progress,
+                    other_reference_text: str | None) -> tuple[QualityTotals, StoredBlocksHeld | None,
+                                                              PreciseBlocksKept | None]:
     try:
         quantized = _load_whole(model_path, scheme)
     except QuantizationError as error:  # a scheme this model's shapes cannot take (an int4 group size)
         raise EvalInputError(f"--quantize {scheme.label}: {error}") from None
     try:
+        if other_reference_text is not None:
+            _check_same_model(reference, quantized, other_reference_text)
         progress.set_description(scheme.label)
         totals = QualityTotals()
         for window in windows:
@@ -220,6 +227,28 @@ def _scheme(label: str, model_path: Path):
         raise EvalInputError(f"--quantize: {error}") from None
 
 
+def _reference_path(reference: str) -> Path:
+    try:
+        return resolve_demo_model(reference).path
+    except (DemoError, UnknownRandomShape) as error:
+        raise EvalInputError(f"--reference: {error}") from None
+
+
+def _check_same_model(reference: LocalModel, quantized: LocalModel, text: str) -> None:
+    """EvalInputError unless --reference is a checkpoint of the model measured: the same vocabulary, and the same
+    token ids for the start of the text (else its logits would be compared with another model's tokens)."""
+    sizes = (reference.info.vocab_size, quantized.info.vocab_size)
+    if sizes[0] != sizes[1]:
+        raise EvalInputError(f"--reference: a vocabulary of {sizes[0]} tokens, the model's {sizes[1]}: not a "
+                             "checkpoint of the same model")
+    sample = text[:TEXT_CHARS_PER_TOKEN_BOUND * 64]
+    if reference.head.has_tokenizer and quantized.head.has_tokenizer and (
+            list(reference.head.tokenizer(sample, verbose=False)["input_ids"])
+            != list(quantized.head.tokenizer(sample, verbose=False)["input_ids"])):
+        raise EvalInputError("--reference: it tokenizes the text otherwise than the model: not a checkpoint of the "
+                             "same model")
+
+
 def _check_context(model_path: Path, context_tokens: int) -> None:
     try:
         config = read_config_dict(model_path)
@@ -242,8 +271,9 @@ def stored_blocks_held(model_path: Path, scheme, device) -> StoredBlocksHeld | N
 
 def format_eval_report(report: EvalReport) -> str:
     """The report as a table: one row for the float32 reference, one per scheme."""
+    against = f", against {report.reference}" if report.reference is not None else ""
     lines = [f"hearth eval: {report.model} on {report.text} ({report.token_source}): {report.positions} positions "
-             f"in {report.windows} windows of up to {report.context_tokens} tokens",
+             f"in {report.windows} windows of up to {report.context_tokens} tokens{against}",
              f"{'scheme':<14} {'KL (nats)':>11} {'max KL':>10} {'top-1 agree':>12} {'perplexity':>12}",
              f"{report.reference_dtype + ' (ref)':<14} {'-':>11} {'-':>10} {'-':>12} "
              f"{_number(report.reference_perplexity):>12}"]
