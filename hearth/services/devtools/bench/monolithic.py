@@ -144,6 +144,8 @@ class MonolithicModel:
         torch = self._torch
         timing = GenerationTiming()
         started = time.perf_counter()
+        eos = self.model.generation_config.eos_token_id
+        stop_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
 
         class _Stamps(BaseStreamer):
             prompt_seen = False
@@ -152,8 +154,11 @@ class MonolithicModel:
                 if not self.prompt_seen:  # generate() first pushes the prompt itself
                     self.prompt_seen = True
                     return
-                timing.token_times_s.append(time.perf_counter() - started)
-                timing.token_ids.extend(int(token) for token in value.reshape(-1).tolist())
+                # The pipeline streams no stop token (a done frame ends its answer): neither is one counted here.
+                tokens = [int(token) for token in value.reshape(-1).tolist() if int(token) not in stop_ids]
+                if tokens:
+                    timing.token_times_s.append(time.perf_counter() - started)
+                    timing.token_ids.extend(tokens)
 
             def end(self) -> None:
                 pass
@@ -184,9 +189,13 @@ class MonolithicModel:
 
         local = self._local_model()
         timing = GenerationTiming()
+        params = SamplingParams(max_tokens=new_tokens)
+        stop_ids = local.head.stop_token_ids(params)
         started = time.perf_counter()
         with self._torch.inference_mode():
-            for token_id in local.generate_ids(prompt_ids, SamplingParams(max_tokens=new_tokens)):
+            for token_id in local.generate_ids(prompt_ids, params):
+                if token_id in stop_ids:  # the last: streamed by no pipeline (generate above says why)
+                    break
                 timing.token_times_s.append(time.perf_counter() - started)
                 timing.token_ids.append(token_id)
         return timing
