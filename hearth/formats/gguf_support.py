@@ -12,11 +12,12 @@ GGUF_MAGIC = b"GGUF"
 GGUF_SUFFIX = ".gguf"
 # general.architecture values hearth serves (llama.cpp writes Mistral models as "llama").
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-# Storage types hearth reads: plain floats, and the legacy, K-quant and 4-bit I-quant block types gguf.quants
-# dequantizes (its lower-bit IQ types, TQ and MXFP4 are left out until tested; integer tensors are no weights).
+# Storage types hearth reads: plain floats, and the legacy, K-quant and I-quant block types gguf.quants dequantizes
+# (its ternary TQ types and the FP4 ones, MXFP4 and NVFP4, are left out: no model hearth serves uses them; integer
+# tensors are no weights).
 SUPPORTED_GGUF_TYPE_NAMES = (
     "F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-    "IQ4_NL", "IQ4_XS",
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
 )
 # Block types that hold plain floats; every other supported type is a quantized block.
 FLOAT_GGUF_TYPE_NAMES = frozenset({"F32", "F16", "BF16", "F64"})

@@ -26,10 +26,11 @@ from .partial_checkpoint import layer_of
 from .quantization import INT4_GROUP_SIZES, QUANTIZATION_KINDS, QuantizationError, QuantizationScheme, \
     check_device_supports, int4_shape_problem
 
-# The scheme each stored type of a layer's matrices matches: 4-bit blocks and below int4 (the 4-bit I-quants too,
-# whose codebook int4's even steps cannot hold: rounded again, BENCHMARKS.md "Quantized shards: quality"), 5- to
-# 8-bit blocks int8, floats (a GGUF's F32/F16/BF16, any safetensors dtype) none.
-_INT4_STORED_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
+# The scheme each stored type of a layer's matrices matches: 4-bit blocks and below int4 (the I-quants too, whose
+# codebooks int4's even steps cannot hold: rounded again, BENCHMARKS.md "Quantized shards: quality"), 5- to 8-bit
+# blocks int8, floats (a GGUF's F32/F16/BF16, any safetensors dtype) none.
+_INT4_STORED_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                                "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"})
 _INT8_STORED_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"})
 KEPT_PRECISE_SCHEME = QuantizationScheme("int8")
 

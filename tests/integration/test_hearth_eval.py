@@ -121,8 +121,8 @@ def test_a_gguf_in_a_block_type_hearth_does_not_read_is_bad_input(tmp_path, monk
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines()[-1] == (
         "hearth eval: tensor blk.0.ffn_down.weight of mxfp4.gguf is stored as MXFP4, a GGUF type hearth does not "
-        "read (it reads F32, F16, BF16, F64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, "
-        "IQ4_XS)")
+        "read (it reads F32, F16, BF16, F64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ1_S, "
+        "IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS)")
     assert "Traceback" not in result.output
 
 
