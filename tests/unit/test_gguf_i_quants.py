@@ -22,8 +22,6 @@ from .test_gguf_stored_int4 import held_linears
 
 IQ4_NL, IQ4_XS = GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS
 SUPER_BLOCK = 256
-
-
 LOWER_BIT_I_QUANTS = [GGMLQuantizationType[name] for name in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                                                                 "IQ3_XXS", "IQ3_S")]
 SMALL_D = np.float16(1e-4).view(np.uint16)
