@@ -26,8 +26,8 @@ SAMPLE_TEXT = Path(__file__).resolve().parents[1] / "data" / "eval_sample.txt"
 MXFP4 = GGMLQuantizationType.MXFP4  # a block type gguf.quants knows and hearth does not read
 REPORT_KEYS = {"model", "reference", "text", "token_source", "context_tokens", "windows", "positions",
                "reference_dtype", "reference_perplexity", "schemes"}
-SCHEME_KEYS = {"scheme", "mean_kl_nats", "max_kl_nats", "top1_agreement", "perplexity", "held_as_stored",
-               "kept_precise"}
+SCHEME_KEYS = {"scheme", "mean_kl_nats", "max_kl_nats", "top1_agreement", "perplexity", "bits_per_weight",
+               "held_as_stored", "kept_precise"}
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,8 @@ def test_against_the_floats_a_mix_was_made_from_the_files_own_rounding_counts(mi
     none, int8, int4 = report.schemes
     assert none.mean_kl_nats > 0  # the file's 4- and 6-bit rounding, which its own float32 copy hides
     assert (int4.mean_kl_nats, int4.top1_agreement) == (int8.mean_kl_nats, int8.top1_agreement)
+    # What each costs a host: float32; the same int4 and int6-as-int8 mix under both schemes.
+    assert none.bits_per_weight == 32.0 and 5 < int4.bits_per_weight == int8.bits_per_weight < 8
     assert format_eval_report(report).splitlines()[0].endswith(f", against {source}")
     alone = evaluate(EvalOptions(text=text, model=str(mix), schemes=("int4/g32",), **WINDOWS))
     assert alone.reference is None and int4.mean_kl_nats > alone.schemes[0].mean_kl_nats

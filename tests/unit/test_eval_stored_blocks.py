@@ -34,6 +34,7 @@ def test_eval_says_which_schemes_serve_a_ggufs_stored_4_bit_blocks_as_they_are(t
         assert row.held_as_stored is not None
         assert (row.held_as_stored.weights, row.held_as_stored.held_in) == ({"Q4_1": layer_weights}, "int4/g32")
     assert int4_g64.held_as_stored is None  # another group: it rounds the weights itself
+    assert int8.bits_per_weight == int4_g32.bits_per_weight > int4_g64.bits_per_weight  # g64: fewer scales
     carried = json.loads(report.model_dump_json())["schemes"]
     assert [row["held_as_stored"] for row in carried] == [
         {"weights": {"Q4_1": layer_weights}, "held_in": "int4/g32"}] * 2 + [None]

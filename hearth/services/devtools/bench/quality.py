@@ -19,7 +19,8 @@ from hearth.inference import (
     CheckpointError, InferenceError, LocalModel, QuantizationError, load_full, read_config_dict,
 )
 from hearth.inference.gguf_int4 import STORED_INT4_GROUP_SIZES
-from hearth.inference.memory import weights_held_as_stored, weights_kept_precise
+from hearth.inference.memory import layer_tensor_specs, layer_weight_bytes, weights_held_as_stored, \
+    weights_kept_precise
 from hearth.inference.stored_precision import resolved_scheme
 from hearth.services.devtools.bench.eval_options import EVAL_MAX_TEXT_BYTES, EvalOptions
 from hearth.services.devtools.bench.quality_metrics import QualityTotals, compare_logits
@@ -61,6 +62,9 @@ class SchemeQuality(BaseModel):
     max_kl_nats: float
     top1_agreement: float
     perplexity: float
+    # The decoder layers' bytes as the scheme holds them, in bits per weight (norms included): what a host's memory
+    # pays for the figures beside it.
+    bits_per_weight: float
     # None: the scheme rounds every layer weight itself.
     held_as_stored: StoredBlocksHeld | None = None
     # None: the scheme keeps no layer weight in more bits than its own.
@@ -133,6 +137,7 @@ def evaluate(options: EvalOptions) -> EvalReport:
         reference_perplexity=results[0][1].reference_perplexity,
         schemes=[SchemeQuality(scheme=label, mean_kl_nats=totals.mean_kl_nats, max_kl_nats=totals.max_kl_nats,
                                top1_agreement=totals.top1_agreement, perplexity=totals.quantized_perplexity,
+                               bits_per_weight=layer_bits_per_weight(model_path, label),
                                held_as_stored=held, kept_precise=kept)
                  for label, totals, held, kept in results])
 
@@ -260,6 +265,14 @@ def _check_context(model_path: Path, context_tokens: int) -> None:
         raise EvalInputError(f"--context-tokens {context_tokens}: more than the model's {max_positions} positions")
 
 
+def layer_bits_per_weight(model_path: Path, scheme: str) -> float:
+    """Bits a decoder-layer weight of the model takes on average under `scheme` on the CPU, computing in
+    REFERENCE_DTYPE (hearth/inference/memory.py's figures, which hosts plan with)."""
+    weights = sum(math.prod(shape) for _, _, shape in layer_tensor_specs(model_path))
+    held = sum(layer_weight_bytes(model_path, REFERENCE_DTYPE, scheme, device="cpu").values())
+    return 8 * held / weights if weights else float("nan")
+
+
 def stored_blocks_held(model_path: Path, scheme, device) -> StoredBlocksHeld | None:
     """The GGUF's 4-bit blocks `scheme` serves as stored on `device` (None: it rounds every layer weight itself)."""
     weights = weights_held_as_stored(model_path, scheme, device=device)
@@ -274,12 +287,14 @@ def format_eval_report(report: EvalReport) -> str:
     against = f", against {report.reference}" if report.reference is not None else ""
     lines = [f"hearth eval: {report.model} on {report.text} ({report.token_source}): {report.positions} positions "
              f"in {report.windows} windows of up to {report.context_tokens} tokens{against}",
-             f"{'scheme':<14} {'KL (nats)':>11} {'max KL':>10} {'top-1 agree':>12} {'perplexity':>12}",
+             f"{'scheme':<14} {'KL (nats)':>11} {'max KL':>10} {'top-1 agree':>12} {'perplexity':>12} "
+             f"{'bits/weight':>12}",
              f"{report.reference_dtype + ' (ref)':<14} {'-':>11} {'-':>10} {'-':>12} "
-             f"{_number(report.reference_perplexity):>12}"]
+             f"{_number(report.reference_perplexity):>12} {'-':>12}"]
     for row in report.schemes:
         lines.append(f"{row.scheme:<14} {row.mean_kl_nats:>11.6f} {row.max_kl_nats:>10.4f} "
-                     f"{100 * row.top1_agreement:>10.2f} % {_number(row.perplexity):>12}")
+                     f"{100 * row.top1_agreement:>10.2f} % {_number(row.perplexity):>12} "
+                     f"{row.bits_per_weight:>12.2f}")
     for row in report.schemes:
         if (held := row.held_as_stored) is not None:
             blocks = ", ".join(f"{count} {block_type}" for block_type, count in held.weights.items())
