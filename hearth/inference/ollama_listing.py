@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .errors import CheckpointError
+from .memory import layer_weight_bytes_of
 from .ollama_models import OLLAMA_MODEL_PREFIX, ollama_models_dir, ollama_short_name, resolve_ollama_model
 from .quantization import AUTO_QUANTIZATION
 from .stored_precision import resolved_scheme
@@ -25,6 +28,9 @@ class PulledModel:
     # The scheme `--quantize auto` (the default) holds its layers in (hearth/inference/stored_precision.py), on the
     # CPU; None where it is not served.
     default_scheme: str | None = None
+    # The bytes its decoder layers take so, as hosts plan with them (hearth/inference/memory.py): what the mesh's
+    # hosts must hold between them, besides their KV caches; None where it is not served.
+    default_layers_bytes: int | None = None
 
 
 def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
@@ -55,18 +61,20 @@ def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
             continue
         architecture = header.architecture
         layers = header.metadata.get(f"{architecture}.block_count")
-        problem = default_scheme = None
+        problem = default_scheme = layers_bytes = None
         if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
             problem = f"a {architecture!r} model; hearth serves {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         else:
             try:
                 check_block_types(((t.name, t.block_type) for t in header.split.tensors), blob.name)
-                default_scheme = resolved_scheme(AUTO_QUANTIZATION, header_layer_tensors(header.split.tensors),
-                                                 "cpu").label
+                layer_tensors = header_layer_tensors(header.split.tensors)
+                scheme = resolved_scheme(AUTO_QUANTIZATION, layer_tensors, "cpu")
+                default_scheme = scheme.label
+                layers_bytes = sum(layer_weight_bytes_of(layer_tensors, torch.float32, scheme, device="cpu").values())
             except CheckpointError as error:
                 problem = str(error)
-        pulled.append(PulledModel(name, size, architecture,
-                                  layers if isinstance(layers, int) else None, problem, default_scheme))
+        pulled.append(PulledModel(name, size, architecture, layers if isinstance(layers, int) else None, problem,
+                                  default_scheme, layers_bytes))
     return sorted(pulled, key=lambda model: model.name)
 
 
@@ -75,6 +83,10 @@ def listing_line(model: PulledModel, width: int) -> str:
     default) hearth serves it, or why not."""
     described = (f"{model.architecture}, {model.num_layers} layers, {model.size_bytes / 1e9:.2f} GB; "
                  if model.architecture else "")
-    verdict = f"served, by default in {model.default_scheme}" if model.problem is None \
-        else f"not served: {model.problem}"
+    verdict = (f"served, by default in {model.default_scheme} ({_shown_bytes(model.default_layers_bytes or 0)} of "
+               "layers)") if model.problem is None else f"not served: {model.problem}"
     return f"{model.name:<{width}}  {described}{verdict}"
+
+
+def _shown_bytes(count: int) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e9 else f"{count / 1e6:.1f} MB"

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from hearth.inference import CheckpointError, load_layer_range, resolve_model_path, weights_sha256
 from hearth.formats.gguf_support import is_gguf_file
 from hearth.inference.gguf_parts import publishable_gguf
+from hearth.inference.memory import layer_weight_bytes
 from hearth.inference.ollama_models import OLLAMA_MODELS_ENV, ollama_manifest_parts
 from hearth.inference.quantization import parse_quantization
 from hearth.services.common.config import HearthSettings
@@ -166,10 +167,13 @@ def test_hearth_ollama_lists_what_ollama_pulled_and_whether_hearth_serves_it(tin
     lines = listed.output.splitlines()
     assert lines[0].startswith("ollama:someone/embedder:v1") and "not served: a 'bert' model" in lines[0]
     assert lines[1].startswith("ollama:tiny:latest") and "llama, 6 layers" in lines[1]
-    assert lines[1].endswith("served, by default in int8")  # its Q8_0 layers, as --quantize auto holds them
+    # its Q8_0 layers, as --quantize auto holds them, and what they take so
+    layers_bytes = sum(layer_weight_bytes(source, torch.float32, "int8", device="cpu").values())
+    assert lines[1].endswith(f"served, by default in int8 ({layers_bytes / 1e6:.1f} MB of layers)")
     as_json = json.loads(CliRunner().invoke(app, ["ollama", "--json"]).output)
-    assert [(model["name"], model["problem"] is None, model["default_scheme"]) for model in as_json] == [
-        ("ollama:someone/embedder:v1", False, None), ("ollama:tiny:latest", True, "int8")]
+    assert [(model["name"], model["problem"] is None, model["default_scheme"], model["default_layers_bytes"])
+            for model in as_json] == [("ollama:someone/embedder:v1", False, None, None),
+                                      ("ollama:tiny:latest", True, "int8", layers_bytes)]
 
 
 def test_an_unreadable_models_folder_is_one_line_naming_it(ollama_models, monkeypatch):
