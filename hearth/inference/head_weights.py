@@ -92,12 +92,16 @@ def _rows_fit(rows: torch.Tensor) -> bool:
     return float(rows.abs().sum(dim=1, dtype=torch.float32).amax()) < _HALF_OUTPUT_LIMIT
 
 
-def holds_half_head(lm_head: nn.Module, scheme: QuantizationScheme, device: torch.device,
-                    stored_quantized: bool) -> bool:
-    """Whether served_lm_head serves `lm_head` (loaded or still on the meta device) from a HalfPrecisionHead, as far
-    as its rows' magnitudes allow (HalfPrecisionHead.fits)."""
-    return (scheme.quantized and type(lm_head) is nn.Linear and head_quantization(device) is not None
-            and stored_quantized and half_head_supported(device))
+def held_head_form(lm_head: nn.Module, scheme: QuantizationScheme, device: torch.device,
+                   stored_quantized: bool) -> str | None:
+    """What served_lm_head holds `lm_head` (loaded or still on the meta device) in under `scheme`: "int8" (a float
+    checkpoint's, on a device with a head kernel), "half" (one the checkpoint stores quantized, where
+    half_head_supported: as far as its rows' magnitudes allow, HalfPrecisionHead.fits), or None (as loaded)."""
+    if not scheme.quantized or type(lm_head) is not nn.Linear or head_quantization(device) is None:
+        return None
+    if not stored_quantized:
+        return "int8"
+    return "half" if half_head_supported(device) else None
 
 
 def served_lm_head_of_rows(lm_head: nn.Module, scheme: QuantizationScheme, device: torch.device,
@@ -105,15 +109,16 @@ def served_lm_head_of_rows(lm_head: nn.Module, scheme: QuantizationScheme, devic
                            row_chunks: Callable[[int], Iterator[np.ndarray]]) -> nn.Module | None:
     """The module served_lm_head would serve `lm_head` (still on the meta device) with, built from the checkpoint's
     float32 rows (`row_chunks(rows per chunk)`) a chunk at a time, so the matrix is never held whole in the compute
-    dtype as loading it first would: its float16 copy, or its int8 codes. None where served_lm_head would keep it as
-    loaded, or the rows do not fit float16 (then it loads as before)."""
-    if type(lm_head) is not nn.Linear or lm_head.bias is not None:
+    dtype as loading it first would: its float16 copy, or its int8 codes (on the CPU). None where served_lm_head
+    would keep it as loaded, or the rows do not fit float16 (then it loads as before)."""
+    form = held_head_form(lm_head, scheme, device, stored_quantized)
+    if form is None or lm_head.bias is not None:
         return None
     weight = lm_head.weight  # on the meta device: the shape, and the dtype it would load in
-    if holds_half_head(lm_head, scheme, device, stored_quantized):
+    if form == "half":
         return HalfPrecisionHead.of_row_chunks(row_chunks(HALF_HEAD_ROWS_PER_CHUNK), weight.shape[0],
                                                weight.shape[1], weight.dtype)
-    if not scheme.quantized or stored_quantized or head_quantization(device) is None or device.type != "cpu":
+    if torch.device(device).type != "cpu":  # QuantizedLinear takes rows on the CPU only
         return None
     return QuantizedLinear(lm_head, head_quantization(device), weight_rows=(
         torch.from_numpy(chunk).to(weight.dtype) for chunk in row_chunks(QUANTIZE_ROWS_PER_CHUNK)))
@@ -125,10 +130,9 @@ def served_lm_head(lm_head: nn.Module, scheme: QuantizationScheme, device: torch
     head kernel beats the compute dtype); a float checkpoint's in int8 on the CPU (the head's bytes are read for every
     token, and int4 would cost its logits most); one the checkpoint stores quantized already in float16 where
     half_head_supported, since quantizing it again would round twice (BENCHMARKS.md "Quantized shards: quality")."""
-    if not scheme.quantized or type(lm_head) is not nn.Linear or head_quantization(device) is None:
-        return lm_head
-    if not stored_quantized:
+    form = held_head_form(lm_head, scheme, device, stored_quantized)
+    if form == "int8":
         return QuantizedLinear(lm_head, head_quantization(device))
-    if holds_half_head(lm_head, scheme, device, stored_quantized) and HalfPrecisionHead.fits(lm_head):
+    if form == "half" and HalfPrecisionHead.fits(lm_head):
         return HalfPrecisionHead.of_linear(lm_head)
     return lm_head
