@@ -8,7 +8,6 @@ chooses the range that fits its budget from these figures.
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,12 +21,12 @@ from .gguf_checkpoint import default_read_device, single_gguf_in
 from .gguf_tensor_table import gguf_layer_tensors, layer_tensor_blocks
 from hearth.formats.gguf_support import FLOAT_GGUF_TYPE_NAMES, SUPPORTED_GGUF_TYPE_NAMES, is_gguf_file
 from .gguf_int4 import STORED_INT4_GROUP_SIZES
-from .held_forms import held_as_stored, held_scheme, kept_precise, layer_precisions, stored_precision
+from .held_forms import held_as_stored, held_scheme, kept_precise, layer_precisions
+from .partial_checkpoint import layer_of
 from .quantization import QuantizationScheme, parse_quantization
 from .sessions import kv_bytes_per_token_per_layer
 from .weight_codes import int4_held_bytes, int8_held_bytes
 
-_layer_name_re = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _UNKNOWN_KIND_BYTES = 4
 QUANTIZED_GGUF_TYPE_NAMES = frozenset(SUPPORTED_GGUF_TYPE_NAMES) - FLOAT_GGUF_TYPE_NAMES
 
@@ -52,7 +51,7 @@ def layer_tensor_specs(model_path: Path) -> list[tuple[str, str, list[int]]]:
     checkpoint = SafetensorsCheckpoint(model_path)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, file in checkpoint.file_of.items():
-        if _layer_name_re.search(name):
+        if layer_of(name) is not None:
             by_file[file].append(name)
     specs = []
     for file, names in by_file.items():
@@ -76,9 +75,8 @@ def layer_weight_bytes_of(tensors: Iterable[tuple[str, str, list[int]]], compute
     precisions = layer_precisions(tensors)
     totals: dict[int, int] = defaultdict(int)
     for name, stored_dtype, shape in tensors:
-        if (found := _layer_name_re.search(name)) is None:
+        if (layer := layer_of(name)) is None:
             continue
-        layer = int(found.group(1))
         if stored_dtype in QUANTIZED_GGUF_TYPE_NAMES:
             totals[layer] += _held_bytes(tuple(shape), stored_dtype, scheme, element, device,
                                          precisions.get(layer, "none"))
@@ -122,12 +120,10 @@ def weights_kept_precise(model_path: Path, quantization: str | QuantizationSchem
     path = single_gguf_in(model_path) if model_path.is_dir() else model_path
     if scheme.kind != "int4" or path is None or not is_gguf_file(path):
         return {}
-    kept: Counter[str] = Counter()
-    for layer, tensors in layer_tensor_blocks(path).items():
-        precision = stored_precision((f"layers.{layer}.{index}", block_type, list(shape))
-                                     for index, (shape, block_type) in enumerate(tensors))
-        kept.update(block_type for shape, block_type in tensors
-                    if len(shape) == 2 and kept_precise(scheme, block_type, precision) is not None)
+    tensors = gguf_layer_tensors(layer_tensor_blocks(path))
+    precisions = layer_precisions(tensors)
+    kept = Counter(block_type for name, block_type, shape in tensors
+                   if len(shape) == 2 and kept_precise(scheme, block_type, precisions[layer_of(name)]) is not None)
     return dict(sorted(kept.items()))
 
 

@@ -19,7 +19,7 @@ from hearth.inference import (
     CheckpointError, InferenceError, LocalModel, QuantizationError, load_full, read_config_dict,
 )
 from hearth.inference.gguf_int4 import STORED_INT4_GROUP_SIZES
-from hearth.inference.memory import layer_tensor_specs, layer_weight_bytes, weights_held_as_stored, \
+from hearth.inference.memory import layer_tensor_specs, layer_weight_bytes_of, weights_held_as_stored, \
     weights_kept_precise
 from hearth.inference.stored_precision import resolved_scheme
 from hearth.services.devtools.bench.eval_options import EVAL_MAX_TEXT_BYTES, EvalOptions
@@ -268,8 +268,9 @@ def _check_context(model_path: Path, context_tokens: int) -> None:
 def layer_bits_per_weight(model_path: Path, scheme: str) -> float:
     """Bits a decoder-layer weight of the model takes on average under `scheme` on the CPU, computing in
     REFERENCE_DTYPE (hearth/inference/memory.py's figures, which hosts plan with)."""
-    weights = sum(math.prod(shape) for _, _, shape in layer_tensor_specs(model_path))
-    held = sum(layer_weight_bytes(model_path, REFERENCE_DTYPE, scheme, device="cpu").values())
+    specs = layer_tensor_specs(model_path)
+    weights = sum(math.prod(shape) for _, _, shape in specs)
+    held = sum(layer_weight_bytes_of(specs, REFERENCE_DTYPE, scheme, device="cpu").values())
     return 8 * held / weights if weights else float("nan")
 
 
