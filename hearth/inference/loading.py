@@ -46,6 +46,18 @@ from .sessions import EvictedSession
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _HeldOtherwise:
+    """A layer's Linear that a rule of hearth/inference/held_forms.py holds in `held` rather than as the scheme
+    asked rounds it: where it sits (its parent's attribute), and its checkpoint weight's name."""
+
+    parent: nn.Module
+    child_name: str
+    linear: nn.Linear
+    weight_name: str
+    held: QuantizationScheme
+
+
 @dataclass
 class _Skeleton:
     """A checkpoint opened for partial loading: config, adapter, and a model whose tensors live on meta."""
@@ -82,29 +94,31 @@ class _Skeleton:
         module.requires_grad_(False)
         return checkpoint_names
 
-    def materialize_layer(self, layer: nn.Module, scheme: QuantizationScheme) -> list[str]:
-        """Materialize ``layer``, its Linears that hearth/inference/held_forms.py holds otherwise than ``scheme``
-        rounds them already in that form: those stored as 4-bit codes in groups as QuantizedLinear from the stored
-        codes (never read dense, nor re-rounded), a 4-bit mix's more precise ones read and then held in int8; returns
-        the checkpoint names read, the stored codes' first."""
+    def held_otherwise(self, layer: nn.Module, scheme: QuantizationScheme) -> list[_HeldOtherwise]:
+        """The Linears of ``layer`` that hearth/inference/held_forms.py holds otherwise than ``scheme`` rounds them,
+        each with the scheme it is held in (read from the checkpoint's header: no weight is read)."""
         linears = [(parent, child_name, linear, self.name_of(linear) + ".weight")
                    for parent, child_name, linear in dense_linears(layer)]
         stored_types = {weight_name: self.checkpoint.stored_type(weight_name) for *_, weight_name in linears}
         precision = stored_precision((weight_name, stored_types[weight_name], list(linear.weight.shape))
                                      for _, _, linear, weight_name in linears)
-        as_stored, kept = {}, []
-        for parent, child_name, linear, weight_name in linears:
-            held = held_scheme(scheme, stored_types[weight_name], tuple(linear.weight.shape), precision, self.device)
-            if held is not None and held.kind == "int4":
-                as_stored[weight_name] = (parent, child_name, linear, held)
-            elif held is not None:
-                kept.append((parent, child_name, linear, held))
+        return [_HeldOtherwise(parent, child_name, linear, weight_name, held)
+                for parent, child_name, linear, weight_name in linears
+                if (held := held_scheme(scheme, stored_types[weight_name], tuple(linear.weight.shape), precision,
+                                        self.device)) is not None]
+
+    def materialize_layer(self, layer: nn.Module, scheme: QuantizationScheme) -> list[str]:
+        """Materialize ``layer``, its Linears held otherwise than ``scheme`` rounds them (held_otherwise) already in
+        that form: those stored as 4-bit codes in groups as QuantizedLinear from the stored codes (never read dense,
+        nor re-rounded), a 4-bit mix's more precise ones read and then held in int8; returns the checkpoint names
+        read, the stored codes' first."""
+        held_otherwise = self.held_otherwise(layer, scheme)
+        as_stored = {one.weight_name: one for one in held_otherwise if one.held.kind == "int4"}
         names = self.materialize(layer, except_names=frozenset(as_stored))
-        for weight_name, (parent, child_name, linear, held) in as_stored.items():
-            stored = self.checkpoint.read_int4_groups(weight_name, self.device)
-            setattr(parent, child_name, QuantizedLinear(linear, held, stored))
-        for parent, child_name, linear, held in kept:
-            setattr(parent, child_name, QuantizedLinear(linear, held))
+        for one in held_otherwise:
+            stored = (self.checkpoint.read_int4_groups(one.weight_name, self.device)
+                      if one.weight_name in as_stored else None)
+            setattr(one.parent, one.child_name, QuantizedLinear(one.linear, one.held, stored))
         return [*as_stored, *names]
 
 
@@ -255,7 +269,9 @@ def load_layer_range(
     scheme = resolved_scheme(quantization, skeleton.info.path, skeleton.device)
     check_device_supports(scheme, skeleton.device)
     for layer_index in range(lo, hi + 1):
-        check_quantizable(decoder.layers[layer_index], scheme, f"layer {layer_index} of {skeleton.info.model_id}")
+        layer = decoder.layers[layer_index]
+        check_quantizable(layer, scheme, f"layer {layer_index} of {skeleton.info.model_id}",
+                          held_otherwise={one.linear for one in skeleton.held_otherwise(layer, scheme)})
     layers: dict[int, nn.Module] = {}
     loaded_names: list[str] = []
     held_otherwise: Counter[str] = Counter()

@@ -27,7 +27,7 @@ QuantizationError.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -324,13 +324,17 @@ def dense_linears(module: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear
                 yield parent, name, child
 
 
-def check_quantizable(layer: nn.Module, scheme: QuantizationScheme, what: str) -> None:
-    """Raise QuantizationError when a Linear of ``layer`` (a meta skeleton is enough) cannot take ``scheme``:
-    int4 needs its input features to be a multiple of the group size and its output features of 16 (torch's
-    packing)."""
+def check_quantizable(layer: nn.Module, scheme: QuantizationScheme, what: str,
+                      held_otherwise: Collection[nn.Module] = ()) -> None:
+    """Raise QuantizationError when a Linear of ``layer`` (a meta skeleton is enough) but those in
+    ``held_otherwise`` (held in another form, which fits them: hearth/inference/held_forms.py) cannot take
+    ``scheme``: int4 needs its input features to be a multiple of the group size and its output features of 16
+    (torch's packing)."""
     if scheme.kind != "int4":
         return
     for parent, name, linear in dense_linears(layer):
+        if linear in held_otherwise:
+            continue
         if problem := int4_shape_problem(linear.out_features, linear.in_features, scheme):
             raise QuantizationError(f"{what}: {name} has {problem}")
 

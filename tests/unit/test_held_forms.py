@@ -14,12 +14,12 @@ from gguf import GGMLQuantizationType
 from hearth.inference import load_layer_range
 from hearth.inference.held_forms import KEPT_PRECISE_SCHEME, held_scheme, kept_precise, layer_precisions
 from hearth.inference.memory import layer_weight_bytes, range_weight_bytes, weights_kept_precise
-from hearth.inference.quantization import QuantizationScheme, parse_quantization
+from hearth.inference.quantization import QuantizationError, QuantizationScheme, parse_quantization
 from hearth.services.devtools.bench.eval_options import EvalOptions
 from hearth.services.devtools.bench.quality import evaluate, format_eval_report
 from tests.runner_limits import RUNNER_KV_LIMITS
 
-from .gguf_files import own_cache, q4_k_m_like, quantized_q6_k, tiny_gguf  # noqa: F401  (fixtures)
+from .gguf_files import own_cache, q4_k_m_like, quantized_q6_k, rewrite_gguf, tiny_gguf  # noqa: F401  (fixtures)
 from .inference_tiny_models import one_torch_thread  # noqa: F401  (fixture)
 from .test_gguf_stored_int4 import held_linears
 
@@ -123,3 +123,26 @@ def test_eval_says_int4_keeps_a_mixs_more_precise_blocks_and_agrees_with_int8_on
     assert said == ["int4/g32: keeps the 4-bit mix's more precise blocks in int8 (1 Q6_K, 1 Q8_0 layer weights), as "
                     "int8 does, rather than rounding them to 4 bits"]
 
+
+
+def test_a_matrix_held_in_int8_needs_no_int4_shape(tiny_gguf, tmp_path):
+    # ffn_down reads 96 inputs (no multiple of int4/g64's group) and is stored in Q8_0 in a layer of Q4_1 matrices:
+    # int4/g64 holds it in int8, so its shape is no reason to refuse the range; in Q4_1 like the others it would be.
+    source, _ = tiny_gguf("llama", GGMLQuantizationType.F32, intermediate_size=96)
+
+    def down_in_q8_0(down_type):
+        def mixed(name, values):
+            if values.ndim != 2 or not name.startswith("blk."):
+                return values, None
+            block_type = down_type if ".ffn_down." in name else GGMLQuantizationType.Q4_1
+            return gguf.quants.quantize(values, block_type), block_type
+        return mixed
+
+    mix = rewrite_gguf(source, tmp_path / "mix.gguf", "llama", down_in_q8_0(GGMLQuantizationType.Q8_0))
+    runner = load_layer_range(mix, 0, 1, quantization="int4/g64", **RUNNER_KV_LIMITS)
+    held = {name: linear.scheme for name, linear in held_linears(runner).items()}
+    assert {scheme for name, scheme in held.items() if "down_proj" in name} == {INT8}
+    assert {scheme for name, scheme in held.items() if "down_proj" not in name} == {parse_quantization("int4/g64")}
+    all_q4_1 = rewrite_gguf(source, tmp_path / "q4_1.gguf", "llama", down_in_q8_0(GGMLQuantizationType.Q4_1))
+    with pytest.raises(QuantizationError, match="down_proj has 96 input features"):
+        load_layer_range(all_q4_1, 0, 1, quantization="int4/g64", **RUNNER_KV_LIMITS)
