@@ -27,7 +27,7 @@ from .quantization import INT4_GROUP_SIZES, QUANTIZATION_KINDS, QuantizationErro
     check_device_supports, int4_shape_problem
 
 # The scheme each stored type of a layer's matrices matches: 4-bit blocks and below int4 (the I-quants too, whose
-# codebooks int4's even steps cannot hold: rounded again, BENCHMARKS.md "Quantized shards: quality"), 5- to 8-bit
+# codebooks int4's even steps cannot hold: rounded again, BENCHMARKS.md "Files llama.cpp wrote"), 5- to 8-bit
 # blocks int8, floats (a GGUF's F32/F16/BF16, any safetensors dtype) none.
 _INT4_STORED_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                                 "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"})
