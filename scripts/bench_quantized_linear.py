@@ -25,6 +25,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hearth.inference.int8_kernels import fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm  # noqa: E402
 from hearth.inference.quantization import QuantizedLinear, parse_quantization  # noqa: E402
+from hearth.inference.weight_codes import int4_grouped_codes  # noqa: E402
 
 SHAPES = ((1024, 2816), (2816, 1024))
 ROWS = (1, 8, 64)
@@ -51,14 +52,8 @@ def int8_weight_only(weight: torch.Tensor):
 
 
 def int4_weight_only(weight: torch.Tensor, group: int):
-    out_features, in_features = weight.shape
-    grouped = weight.reshape(out_features, in_features // group, group)
-    low, high = grouped.amin(dim=2), grouped.amax(dim=2)
-    scales = ((high - low) / 15.0).clamp(min=1e-12)
-    zeros = low + scales * 8.0  # torch's int4 ops dequantize as (q - 8) * scale + zero
-    q = torch.clamp(torch.round((grouped - low[..., None]) / scales[..., None]), 0, 15).to(torch.int32)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out_features, in_features), 1)
-    scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=2).contiguous().to(torch.bfloat16)
+    codes, scales_and_zeros = int4_grouped_codes(weight, group)  # hearth's rounding, as its shards hold int4
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     return packed, scales_and_zeros
 
 

@@ -14,6 +14,11 @@ KERNEL_DTYPE = torch.bfloat16
 # torch's int4 kernels dequantize a code q as (q - 8) * scale + zero.
 INT4_MIDPOINT = 8
 INT4_MAX_CODE = 15
+# The ranges int4_grouped_codes tries for each group: its minimum..maximum held in 15 ± k · 0.4 steps, k up to 2
+# (BENCHMARKS.md "Quantized shards: quality": more, finer steps gain little for their time).
+INT4_RANGE_STEPS = 2
+INT4_RANGE_STEP = 0.4
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def int8_held_bytes(out_features: int, in_features: int) -> int:
@@ -43,13 +48,45 @@ def pack_int4_for_cuda(codes: torch.Tensor) -> torch.Tensor:
 
 
 def int4_grouped_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint4 codes [out, in] (as uint8), and the kernels' [groups, out, 2] (scale, zero) table; each group of input
-    features spans its own minimum..maximum."""
+    """uint4 codes [out, in] (as uint8), and the kernels' [groups, out, 2] (scale, zero) table. Each group's scale
+    and zero are the least-squares fit of its values to the codes of the best of a few steps tried around its
+    minimum..maximum (what llama.cpp's K-quants do: a range a little narrower or wider than the values' often rounds
+    them closer, BENCHMARKS.md "Quantized shards: quality"); the codes are then rounded against the bfloat16 scale
+    and zero the kernels read."""
     out_features, in_features = weight.shape
-    grouped = weight.reshape(out_features, in_features // group_size, group_size)
-    low, high = grouped.amin(dim=2), grouped.amax(dim=2)
-    scales = ((high - low) / INT4_MAX_CODE).clamp(min=torch.finfo(torch.float32).tiny)
-    zeros = low + scales * INT4_MIDPOINT
-    codes = torch.clamp(torch.round((grouped - low[..., None]) / scales[..., None]), 0, INT4_MAX_CODE)
-    scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
-    return codes.reshape(out_features, in_features).to(torch.uint8), scales_and_zeros
+    values = weight.reshape(out_features, in_features // group_size, group_size)
+    low = values.amin(dim=2)
+    span = (values.amax(dim=2) - low).clamp(min=_TINY)
+    # Fitted above the minimum, where every value lies in 0..span: the error's sums then lose no precision to a
+    # group's offset.
+    above = values - low.unsqueeze(2)
+    candidates = torch.arange(-INT4_RANGE_STEPS, INT4_RANGE_STEPS + 1, dtype=torch.float32, device=weight.device)
+    steps_in_span = INT4_MAX_CODE + candidates * INT4_RANGE_STEP
+    # Per candidate and group: the sum of its codes, of their squares, of codes times values.
+    code_sums, code_squares, cross = (torch.empty((len(candidates), *low.shape), device=weight.device)
+                                      for _ in range(3))
+    codes = torch.empty_like(above)  # one buffer for every candidate's codes
+    for index in range(len(candidates)):
+        torch.mul(above, (steps_in_span[index] / span).unsqueeze(2), out=codes).round_().clamp_(0, INT4_MAX_CODE)
+        torch.sum(codes, dim=2, out=code_sums[index])
+        torch.linalg.vecdot(codes, codes, dim=2, out=code_squares[index])
+        torch.linalg.vecdot(above, codes, dim=2, out=cross[index])
+    value_sums, value_squares = above.sum(dim=2), torch.linalg.vecdot(above, above, dim=2)
+    # values ≈ scale · codes + offset by least squares, and its squared error, for every candidate at once; a group
+    # whose codes are all one (constant values) keeps minimum..maximum in 15 steps and its mean.
+    count = group_size
+    determinant = count * code_squares - code_sums * code_sums
+    fits = determinant > 0
+    divisor = torch.where(fits, determinant, 1)
+    scale = torch.where(fits, (count * cross - code_sums * value_sums) / divisor, span / INT4_MAX_CODE).clamp(min=_TINY)
+    offset = torch.where(fits, (code_squares * value_sums - code_sums * cross) / divisor, value_sums / count)
+    error = (value_squares - 2 * scale * cross - 2 * offset * value_sums + scale * scale * code_squares
+             + 2 * scale * offset * code_sums + count * offset * offset)
+    best = torch.min(error, dim=0, keepdim=True).indices  # argmin along the first dimension is many times slower
+    scale, offset = scale.gather(0, best)[0], offset.gather(0, best)[0]
+    zeros = low + offset + scale * INT4_MIDPOINT
+    scales_and_zeros = torch.stack([scale.t(), zeros.t()], dim=2).to(KERNEL_DTYPE)
+    held_scale = scales_and_zeros[..., 0].t().float().unsqueeze(2)
+    held_zero = scales_and_zeros[..., 1].t().float().unsqueeze(2)
+    torch.div(values - held_zero, held_scale, out=codes).add_(INT4_MIDPOINT).round_().clamp_(0, INT4_MAX_CODE)
+    return codes.reshape(out_features, in_features).to(torch.uint8), scales_and_zeros.contiguous()

@@ -7,8 +7,9 @@ from __future__ import annotations
 # keepalives) would make a peer of the previous version fail, or to the weights a scheme's label stands for (a
 # pipeline or failover mixing them would not give one version's tokens); a shard advertises it and an
 # orchestrator's `open` carries it. 1 is every hearth from before it was told (adverts and opens without the field);
-# 3 holds a 4-bit mix's more precise matrices in int8 under int4 (hearth/inference/held_forms.py).
-MESH_PROTOCOL = 3
+# 3 holds a 4-bit mix's more precise matrices in int8 under int4 (hearth/inference/held_forms.py); 4 rounds weights
+# into int4 groups over a searched range (hearth/inference/weight_codes.py).
+MESH_PROTOCOL = 4
 UNVERSIONED_MESH_PROTOCOL = 1
 # Far above any version there will be: a bound on what a peer may claim.
 max_mesh_protocol = 2**15

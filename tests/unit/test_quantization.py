@@ -3,6 +3,7 @@ the whole quantized model, their memory, and greedy agreement with full precisio
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from hearth.inference import (
 from tests.runner_limits import RUNNER_KV_LIMITS
 from hearth.inference import quantization
 from hearth.inference.memory import layer_weight_bytes, range_weight_bytes
+from hearth.inference.weight_codes import INT4_MIDPOINT, int4_grouped_codes
 from hearth.inference.quantization import (
     DEFAULT_INT4_GROUP_SIZE, QuantizedLinear, check_device_supports, quantize_linears,
 )
@@ -99,18 +101,66 @@ def test_a_quantized_linear_is_close_to_float32(label, rows):
 
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_the_int4_kernel_computes_with_the_dequantized_weights(group_size):
-    """Its error is the rounding of the weights (grouped minimum-to-maximum codes of 0..15) and bfloat16's."""
+    """Its error is bfloat16's alone, beside the weights' codes, scales and zeros."""
     torch.manual_seed(1)
     dense = nn.Linear(128, 96, bias=False)
-    grouped = dense.weight.detach().reshape(96, 128 // group_size, group_size)
-    low, high = grouped.amin(dim=2, keepdim=True), grouped.amax(dim=2, keepdim=True)
-    scale = (high - low) / 15
-    dequantized = (torch.round((grouped - low) / scale) * scale + low).reshape(96, 128)
+    codes, scales_and_zeros = int4_grouped_codes(dense.weight.detach(), group_size)
+    dequantized = _dequantized(codes, scales_and_zeros, group_size)
     inputs = torch.randn(5, 128)
     with torch.inference_mode():
         ours = QuantizedLinear(dense, QuantizationScheme("int4", group_size))(inputs)
     reference = inputs @ dequantized.t()
     assert float((ours - reference).norm() / reference.norm()) < BFLOAT16_ERROR_BOUND
+
+
+def _dequantized(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The weights torch's int4 kernels compute with: (code - 8) · scale + zero, per group."""
+    rows, columns = codes.shape
+    scales, zeros = (scales_and_zeros[..., part].t().float().unsqueeze(2) for part in (0, 1))
+    grouped = codes.float().reshape(rows, columns // group_size, group_size)
+    return ((grouped - INT4_MIDPOINT) * scales + zeros).reshape(rows, columns)
+
+
+def _min_max_rounding(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each group's values rounded to 16 even steps from its minimum to its maximum (with the same bfloat16 scale and
+    zero)."""
+    rows, columns = weight.shape
+    grouped = weight.reshape(rows, columns // group_size, group_size)
+    low, high = grouped.amin(dim=2, keepdim=True), grouped.amax(dim=2, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16).float()
+    zero = (low + 8 * scale).to(torch.bfloat16).float()
+    codes = torch.round((grouped - zero) / scale + 8).clamp(0, 15)
+    return ((codes - 8) * scale + zero).reshape(rows, columns)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("values", ["normal", "heavy_tailed", "constant_groups", "iq4_levels"])
+def test_int4_rounds_each_group_at_least_as_close_as_its_minimum_to_maximum_steps(group_size, values):
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 256, generator=generator)
+    if values == "heavy_tailed":  # a few outliers a row, as trained weights have
+        weight = weight * torch.rand(64, 256, generator=generator).pow(8).mul(20).add(1)
+    elif values == "constant_groups":
+        weight[:8] = 0.25
+        weight[8:16] = 0
+    elif values == "iq4_levels":  # an IQ4_NL block's 16 uneven levels times its scale, as a GGUF is read
+        levels = torch.tensor(gguf.quants.IQ4_NL.kvalues, dtype=torch.float32)
+        picks = torch.randint(0, 16, (64, 256), generator=generator)
+        weight = levels[picks] * torch.rand(64, 256 // 32, 1, generator=generator).repeat_interleave(32, 1).squeeze(2)
+    codes, scales_and_zeros = int4_grouped_codes(weight, group_size)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    assert scales_and_zeros.shape == (256 // group_size, 64, 2)
+    ours = _dequantized(codes, scales_and_zeros, group_size)
+    assert torch.isfinite(ours).all()
+    groups_error = (ours - weight).pow(2).reshape(64, -1, group_size).sum(dim=2)
+    min_max_error = (_min_max_rounding(weight, group_size) - weight).pow(2).reshape(64, -1, group_size).sum(dim=2)
+    # Never further than the even steps of minimum..maximum (but for bfloat16's rounding of the fitted scale and
+    # zero), and closer on the whole: a range searched and fitted, not the values' extremes.
+    assert (groups_error <= min_max_error * 1.01 + 1e-12).all()
+    if values == "constant_groups":
+        assert torch.equal(ours[:16], weight[:16])
+    else:
+        assert float(groups_error.sum()) < 0.95 * float(min_max_error.sum())
 
 
 def test_quantize_linears_keeps_no_dense_weight():
