@@ -27,7 +27,7 @@ MXFP4 = GGMLQuantizationType.MXFP4  # a block type gguf.quants knows and hearth 
 REPORT_KEYS = {"model", "reference", "text", "token_source", "context_tokens", "windows", "positions",
                "reference_dtype", "reference_perplexity", "schemes"}
 SCHEME_KEYS = {"scheme", "mean_kl_nats", "max_kl_nats", "top1_agreement", "perplexity", "bits_per_weight",
-               "held_as_stored", "kept_precise"}
+               "held_as_stored", "kept_precise", "rounded_again"}
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,15 @@ from gguf import GGMLQuantizationType
 
 from hearth.inference import load_layer_range
 from hearth.inference.held_forms import KEPT_PRECISE_SCHEME, held_scheme, kept_precise, layer_precisions
-from hearth.inference.memory import layer_weight_bytes, range_weight_bytes, weights_kept_precise
+from hearth.inference.memory import layer_weight_bytes, range_weight_bytes, weights_kept_precise, \
+    weights_rounded_again
 from hearth.inference.quantization import QuantizationError, QuantizationScheme, parse_quantization
 from hearth.services.devtools.bench.eval_options import EvalOptions
 from hearth.services.devtools.bench.quality import evaluate, format_eval_report
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import own_cache, q4_k_m_like, quantized_q6_k, rewrite_gguf, tiny_gguf  # noqa: F401  (fixtures)
-from .inference_tiny_models import one_torch_thread  # noqa: F401  (fixture)
+from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread  # noqa: F401  (fixture)
 from .test_gguf_stored_int4 import held_linears
 
 INT4_G32, INT8 = parse_quantization("int4/g32"), parse_quantization("int8")
@@ -122,6 +123,20 @@ def test_eval_says_int4_keeps_a_mixs_more_precise_blocks_and_agrees_with_int8_on
     said = [line for line in format_eval_report(report).splitlines() if "more precise blocks" in line]
     assert said == ["int4/g32: keeps the 4-bit mix's more precise blocks in int8 (1 Q6_K, 1 Q8_0 layer weights), as "
                     "int8 does, rather than rounding them to 4 bits"]
+    # int8 rounds the 6- and 8-bit blocks again into its rows, int4/g32 no block (the rest held as stored).
+    assert int8.rounded_again == {"Q6_K": 1, "Q8_0": 1} and int4.rounded_again is None
+
+
+def test_what_each_scheme_rounds_again_of_a_gguf(mixed_gguf, tiny_gguf):
+    matrices = 7 * TINY_NUM_LAYERS  # q, k, v, o, gate, up and down of each layer
+    assert weights_rounded_again(mixed_gguf, "int4/g32") == {}
+    # int4 of another group rounds the stored 4-bit groups again; the mix's precise ones stay in int8
+    assert weights_rounded_again(mixed_gguf, "int4/g64") == {"Q4_1": matrices - 2}
+    assert weights_rounded_again(mixed_gguf, "none") == {}
+    q8_0, _ = tiny_gguf("llama", GGMLQuantizationType.Q8_0)
+    assert weights_rounded_again(q8_0, "int4/g32") == {"Q8_0": matrices}
+    float_file, _ = tiny_gguf("llama", GGMLQuantizationType.F32)
+    assert weights_rounded_again(float_file, "int4/g32") == {}
 
 
 

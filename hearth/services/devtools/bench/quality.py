@@ -20,7 +20,7 @@ from hearth.inference import (
 )
 from hearth.inference.gguf_int4 import STORED_INT4_GROUP_SIZES
 from hearth.inference.memory import layer_tensor_specs, layer_weight_bytes_of, weights_held_as_stored, \
-    weights_kept_precise
+    weights_kept_precise, weights_rounded_again
 from hearth.inference.stored_precision import resolved_scheme
 from hearth.services.devtools.bench.eval_options import EVAL_MAX_TEXT_BYTES, EvalOptions
 from hearth.services.devtools.bench.quality_metrics import QualityTotals, compare_logits
@@ -69,6 +69,9 @@ class SchemeQuality(BaseModel):
     held_as_stored: StoredBlocksHeld | None = None
     # None: the scheme keeps no layer weight in more bits than its own.
     kept_precise: PreciseBlocksKept | None = None
+    # GGUF block type -> decoder-layer weights stored quantized that the scheme rounds again into its own codes (no
+    # kernel here holds those blocks as stored: what it loses comes on top of the file's own loss); None: none.
+    rounded_again: dict[str, int] | None = None
 
 
 class EvalReport(BaseModel):
@@ -122,7 +125,8 @@ def evaluate(options: EvalOptions) -> EvalReport:
         if not windows:
             raise EvalInputError(f"{options.text} holds fewer than 2 tokens: nothing to predict")
         positions = sum(len(window) - 1 for window in windows)
-        results: list[tuple[str, QualityTotals, StoredBlocksHeld | None, PreciseBlocksKept | None]] = []
+        results: list[tuple[str, QualityTotals, StoredBlocksHeld | None, PreciseBlocksKept | None,
+                            dict[str, int] | None]] = []
         with tqdm(total=positions * len(schemes), unit="tok", file=sys.stderr, desc="hearth eval") as progress:
             for scheme in schemes:
                 progress.set_description(f"{scheme.label}: loading")
@@ -138,8 +142,8 @@ def evaluate(options: EvalOptions) -> EvalReport:
         schemes=[SchemeQuality(scheme=label, mean_kl_nats=totals.mean_kl_nats, max_kl_nats=totals.max_kl_nats,
                                top1_agreement=totals.top1_agreement, perplexity=totals.quantized_perplexity,
                                bits_per_weight=layer_bits_per_weight(model_path, label),
-                               held_as_stored=held, kept_precise=kept)
-                 for label, totals, held, kept in results])
+                               held_as_stored=held, kept_precise=kept, rounded_again=again)
+                 for label, totals, held, kept, again in results])
 
 
 def _load_whole(model_path: Path, quantization) -> LocalModel:
@@ -151,7 +155,7 @@ def _load_whole(model_path: Path, quantization) -> LocalModel:
 
 def _measure_scheme(reference: LocalModel, model_path: Path, scheme, windows: Sequence[list[int]], progress,
                     other_reference_text: str | None) -> tuple[QualityTotals, StoredBlocksHeld | None,
-                                                              PreciseBlocksKept | None]:
+                                                              PreciseBlocksKept | None, dict[str, int] | None]:
     try:
         quantized = _load_whole(model_path, scheme)
     except QuantizationError as error:  # a scheme this model's shapes cannot take (an int4 group size)
@@ -166,8 +170,9 @@ def _measure_scheme(reference: LocalModel, model_path: Path, scheme, windows: Se
             totals += compare_logits(window_logits(reference, window), window_logits(quantized, window), targets)
             progress.update(len(window) - 1)
         kept = weights_kept_precise(model_path, scheme)
+        again = weights_rounded_again(model_path, scheme, device=quantized.runner.device)
         return totals, stored_blocks_held(model_path, scheme, quantized.runner.device), \
-            PreciseBlocksKept(weights=kept) if kept else None
+            PreciseBlocksKept(weights=kept) if kept else None, again or None
     finally:
         quantized.close()
         del quantized
@@ -305,6 +310,10 @@ def format_eval_report(report: EvalReport) -> str:
             blocks = ", ".join(f"{count} {block_type}" for block_type, count in kept.weights.items())
             lines.append(f"{row.scheme}: keeps the 4-bit mix's more precise blocks in {kept.held_in} ({blocks} layer "
                          f"weights), as {kept.held_in} does, rather than rounding them to 4 bits")
+        if (again := row.rounded_again) is not None:
+            blocks = ", ".join(f"{count} {block_type}" for block_type, count in again.items())
+            lines.append(f"{row.scheme}: rounds the GGUF's quantized blocks again into its own codes ({blocks} layer "
+                         f"weights: no kernel here holds them as stored), a loss on top of the file's own")
     return "\n".join(lines)
 
 
