@@ -57,33 +57,35 @@ def int4_grouped_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Ten
     values = weight.reshape(out_features, in_features // group_size, group_size)
     low = values.amin(dim=2)
     span = (values.amax(dim=2) - low).clamp(min=_TINY)
-    # Fitted above the minimum, where every value lies in 0..span: the error's sums then lose no precision to a
-    # group's offset.
+    # Fitted above the minimum, where every value lies in 0..span: the sums then lose no precision to a group's
+    # offset.
     above = values - low.unsqueeze(2)
-    candidates = torch.arange(-INT4_RANGE_STEPS, INT4_RANGE_STEPS + 1, dtype=torch.float32, device=weight.device)
-    steps_in_span = INT4_MAX_CODE + candidates * INT4_RANGE_STEP
+    steps_in_span = [INT4_MAX_CODE + step * INT4_RANGE_STEP for step in range(-INT4_RANGE_STEPS, INT4_RANGE_STEPS + 1)]
     # Per candidate and group: the sum of its codes, of their squares, of codes times values.
-    code_sums, code_squares, cross = (torch.empty((len(candidates), *low.shape), device=weight.device)
+    code_sums, code_squares, cross = (torch.empty((len(steps_in_span), *low.shape), device=weight.device)
                                       for _ in range(3))
     codes = torch.empty_like(above)  # one buffer for every candidate's codes
-    for index in range(len(candidates)):
-        torch.mul(above, (steps_in_span[index] / span).unsqueeze(2), out=codes).round_().clamp_(0, INT4_MAX_CODE)
+    for index, steps in enumerate(steps_in_span):
+        torch.mul(above, (steps / span).unsqueeze(2), out=codes).round_()
+        if steps > INT4_MAX_CODE:  # only a range narrower than the values' rounds some of them past 15
+            codes.clamp_(max=INT4_MAX_CODE)
         torch.sum(codes, dim=2, out=code_sums[index])
         torch.linalg.vecdot(codes, codes, dim=2, out=code_squares[index])
         torch.linalg.vecdot(above, codes, dim=2, out=cross[index])
-    value_sums, value_squares = above.sum(dim=2), torch.linalg.vecdot(above, above, dim=2)
-    # values ≈ scale · codes + offset by least squares, and its squared error, for every candidate at once; a group
-    # whose codes are all one (constant values) keeps minimum..maximum in 15 steps and its mean.
+    value_sums = above.sum(dim=2)
+    # values ≈ scale · codes + offset by least squares leaves the values' own spread less covariance² / the codes'
+    # spread: the best candidate has the largest covariance² / spread. A group whose codes are all one (constant
+    # values) has no spread: it keeps minimum..maximum in 15 steps and its mean.
     count = group_size
-    determinant = count * code_squares - code_sums * code_sums
-    fits = determinant > 0
-    divisor = torch.where(fits, determinant, 1)
-    scale = torch.where(fits, (count * cross - code_sums * value_sums) / divisor, span / INT4_MAX_CODE).clamp(min=_TINY)
-    offset = torch.where(fits, (code_squares * value_sums - code_sums * cross) / divisor, value_sums / count)
-    error = (value_squares - 2 * scale * cross - 2 * offset * value_sums + scale * scale * code_squares
-             + 2 * scale * offset * code_sums + count * offset * offset)
-    best = torch.min(error, dim=0, keepdim=True).indices  # argmin along the first dimension is many times slower
-    scale, offset = scale.gather(0, best)[0], offset.gather(0, best)[0]
+    code_spread = code_squares - code_sums * code_sums / count
+    covariance = cross - code_sums * value_sums / count
+    fits = code_spread > 0
+    explained = torch.where(fits, covariance * covariance / torch.where(fits, code_spread, 1), -1)
+    best = torch.max(explained, dim=0, keepdim=True).indices  # argmax along the first dimension is many times slower
+    code_spread, covariance, code_sum = (part.gather(0, best)[0] for part in (code_spread, covariance, code_sums))
+    fitted = code_spread > 0
+    scale = torch.where(fitted, covariance / torch.where(fitted, code_spread, 1), span / INT4_MAX_CODE).clamp(min=_TINY)
+    offset = torch.where(fitted, (value_sums - scale * code_sum) / count, value_sums / count)
     zeros = low + offset + scale * INT4_MIDPOINT
     scales_and_zeros = torch.stack([scale.t(), zeros.t()], dim=2).to(KERNEL_DTYPE)
     held_scale = scales_and_zeros[..., 0].t().float().unsqueeze(2)
