@@ -76,6 +76,9 @@ class SkippedMessage:
     error: str
     # An event only a newer hearth reads (a type or version past this one's), as it describes itself; None: junk.
     newer: NewerHearthEvent | None = None
+    # Such an event's body as stored, which its signature is checked over (hearth/readmodels/admission.py); empty
+    # for junk.
+    data: bytes = b""
 
 
 async def stream_last_seq(js: JetStreamContext, stream: str) -> int:
@@ -151,7 +154,7 @@ def decode_stored_message(
         newer_hearth_notices.skipped(refused.newer, f"{stream}#{seq} on {subject}")
         events_undecodable_total.labels(stream=stream).inc()
         return SkippedMessage(stream=stream, seq=seq, subject=subject, time=stored_at, error=str(refused),
-                              newer=refused.newer)
+                              newer=refused.newer, data=bytes(data))
     except ValueError as error:  # pydantic's ValidationError too: whatever a body holds, decode_event refuses so
         reason = _short_error(error)
         log.warning("skipping undecodable message %s#%d on %s: %s", stream, seq, subject, reason)

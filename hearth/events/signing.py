@@ -188,12 +188,45 @@ class EventVerifier:
         roster does not know yet is the member whose roster key the log passed on to it. `member_addition`: the
         members the same stream's verified additions added so far (hearth/events/member_additions.py), so a signer
         the roster does not know yet is the member the log added under its key."""
+        received_at = _aware(received_at)
+        reason, member = self._signer_check(event, received_at=received_at, stored_data=stored_data,
+                                            position=position, removal_logged=removal_logged,
+                                            steward_succession=steward_succession,
+                                            member_succession=member_succession, member_addition=member_addition)
+        if reason is not None or member is None:
+            return reason
+        if emitting_role(event.type) != member.role:
+            return "role_may_not_emit"
+        if not names_only_its_own_node(event, member.name):
+            return "node_mismatch"
+        if position is not None and not stored_on_its_own_subject(event, position):
+            return "wrong_stream"
+        if event.occurred_at > received_at + self.max_clock_skew:
+            return "future_dated"
+        return None
+
+    def signature_rejection(self, event: EventEnvelope, *, received_at: datetime, stored_data: bytes = b"",
+                            position: StreamPosition | None = None, removal_logged: bool = False,
+                            steward_succession: Succession | None = None,
+                            member_succession: MemberSuccession | None = None,
+                            member_addition: AdditionLookup | None = None) -> RejectionReason | None:
+        """Why `event`'s signature does not stand (unsigned; a signer the roster, nor the log's successions and
+        additions, knows, or one removed before it was stored; a bad signature), None when a member signed it: all
+        that can be checked of an event only a newer hearth reads, whose type's role and subject rules are the newer
+        hearth's. The arguments are rejection()'s."""
+        return self._signer_check(event, received_at=_aware(received_at), stored_data=stored_data, position=position,
+                                  removal_logged=removal_logged, steward_succession=steward_succession,
+                                  member_succession=member_succession, member_addition=member_addition)[0]
+
+    def _signer_check(self, event: EventEnvelope, *, received_at: datetime, stored_data: bytes,
+                      position: StreamPosition | None, removal_logged: bool, steward_succession: Succession | None,
+                      member_succession: MemberSuccession | None, member_addition: AdditionLookup | None,
+                      ) -> tuple[RejectionReason | None, Member | None]:
+        """(the reason signature_rejection gives, None) or (None, the member who signed `event`)."""
         if not event.signer or not event.signature:
-            return "unsigned"
+            return "unsigned", None
         if removal_logged:
-            return "removed_signer"
-        if received_at.tzinfo is None:
-            received_at = received_at.replace(tzinfo=timezone.utc)
+            return "removed_signer", None
         if self._roster_file is not None and received_at.timestamp() >= self._roster_file.looked_at:
             # Stored since the file was last looked at: a removal saved meanwhile must count, as it will in a rebuild.
             self._roster_file.current(recheck_now=True)
@@ -205,30 +238,21 @@ class EventVerifier:
         if member is None and member_addition is not None:
             member = member_by_addition(self._current_roster(), event.signer, member_addition(event.signer))
         if member is None:
-            return "unknown_signer"
+            return "unknown_signer", None
         if self._stored_before_it_began(event, received_at, position):
             # A key counts from its rotation's place in each stream, as a projection with an older roster copy
             # follows the rotation in the log: a rebuild with this roster rejects what that projection did.
-            return "unknown_signer"
+            return "unknown_signer", None
         if isinstance(member, RemovedMember):
             # What it signed before its removal stays valid, so a rebuild applies what the live projection did.
             stream, seq = (position.stream, position.seq) if position is not None else (None, None)
             if member.stored_after_removal(received_at, stream, seq, event.event_id):
-                return "removed_signer"
+                return "removed_signer", None
             member = member.member
         signed = stored_canonical_bytes(stored_data) if stored_data else canonical_bytes(event)
         if signed is None or not verify_b64(event.signer, signed, event.signature):
-            return "bad_signature"
-        if emitting_role(event.type) != member.role:  # type: ignore[attr-defined]
-            return "role_may_not_emit"
-        if not names_only_its_own_node(event, member.name):
-            return "node_mismatch"
-        if position is not None and not stored_on_its_own_subject(event, position):
-            return "wrong_stream"
-        if event.occurred_at > received_at + self.max_clock_skew:
-            return "future_dated"
-        return None
-
+            return "bad_signature", None
+        return None, member
 
     def _stored_before_it_began(self, event: EventEnvelope, received_at: datetime,
                                 position: StreamPosition | None) -> bool:
@@ -242,6 +266,11 @@ class EventVerifier:
         if cut is not None and seq is not None:
             return not cut.passed_by(seq, received_at, event.event_id)
         return received_at < began.retired_at
+
+
+def _aware(moment: datetime) -> datetime:
+    """`moment`, read as UTC when it names no zone."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
 def stored_on_its_own_subject(event: EventEnvelope, position: StreamPosition) -> bool:

@@ -45,7 +45,7 @@ from hearth.readmodels.batch_rows import (
 )
 
 if TYPE_CHECKING:
-    from hearth.events.consume import StoredEvent
+    from hearth.events.consume import SkippedMessage, StoredEvent
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,24 @@ def rejection(verifier: EventVerifier | None, message: StoredEvent, rows: BatchR
                               member_succession=member_succession(message.stream, rows),
                               member_addition=member_addition(message.stream, rows)) or pipeline_of_another(
         event, rows)
+
+
+def newer_rejection(verifier: EventVerifier | None, message: SkippedMessage, rows: BatchRows
+                    ) -> RejectionReason | None:
+    """Why `message`, an event only a newer hearth reads, is no member's (unsigned, an unknown or removed signer,
+    a bad signature), None when a member signed it or without a verifier: what its type's rules are, only the newer
+    hearth knows (EventVerifier.signature_rejection)."""
+    envelope = message.newer.envelope if message.newer is not None else None
+    if verifier is None or envelope is None:
+        return None
+    removal_logged = envelope.signer is not None and \
+        rows.get(MEMBER_REMOVALS, (message.stream, envelope.signer)) is not None
+    return verifier.signature_rejection(envelope, received_at=message.time, stored_data=message.data,
+                                        position=StreamPosition(message.stream, message.seq, message.subject),
+                                        removal_logged=removal_logged,
+                                        steward_succession=steward_succession(message.stream, rows),
+                                        member_succession=member_succession(message.stream, rows),
+                                        member_addition=member_addition(message.stream, rows))
 
 
 def pipeline_of_another(event: object, rows: BatchRows) -> RejectionReason | None:

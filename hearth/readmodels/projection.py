@@ -34,7 +34,8 @@ from sqlalchemy.orm import Session
 from hearth.events.clock_skew import ClockSkewReports
 from hearth.events.models import EventEnvelope, MemberAdded, MemberRemoved, ShardHeartbeat
 from hearth.events.signing import DEFAULT_MAX_CLOCK_SKEW_S, EventVerifier, RejectionReason
-from hearth.readmodels.admission import Rejection, record_member_addition, record_member_removal, rejection
+from hearth.readmodels.admission import Rejection, newer_rejection, record_member_addition, record_member_removal, \
+    rejection
 from hearth.readmodels.applied_events import (
     preload_applied,
     record_applied,
@@ -110,9 +111,10 @@ class ReadModelProjection:
                     continue
                 event = getattr(message, "event", None)
                 if event is None:  # logged as it was read (events.consume)
-                    if record_newer_hearths(message, rows, samples_per_minute=self.rejected_samples_per_minute) \
-                            and rejections is not None:
-                        rejections.append(Rejection(message.stream, message.seq, message.newer.label, NEWER_HEARTH))
+                    reason = newer_rejection(self.verifier, message, rows) or NEWER_HEARTH
+                    if record_newer_hearths(message, rows, samples_per_minute=self.rejected_samples_per_minute,
+                                            reason=reason, projection=self.name) and rejections is not None:
+                        rejections.append(Rejection(message.stream, message.seq, message.newer.label, reason))
                 elif (reason := reject_as or rejection(self.verifier, message, rows) or repeat_rejection(
                         message, rows, history_kept_s(self.retention, message.stream))) is not None:
                     record_rejection(message, reason, rows, projection=self.name,

@@ -39,14 +39,20 @@ def record_rejection(message: StoredEvent, reason: RejectionReason, rows: BatchR
                     LIKELY_CAUSE.get(reason, ""))
 
 
-def record_newer_hearths(message: SkippedMessage, rows: BatchRows, *, samples_per_minute: int | None) -> bool:
-    """Count and keep, as rejected (`newer_hearth`), a skipped message that is an event only a newer hearth reads, named
-    by its type (and version); False when it is no event at all (not even its envelope validates). Not logged: its
-    reader told of its type already (events.newer_hearth)."""
+def record_newer_hearths(message: SkippedMessage, rows: BatchRows, *, samples_per_minute: int | None,
+                         reason: RejectionReason = NEWER_HEARTH, projection: str = "") -> bool:
+    """Count and keep, as rejected for `reason` (`newer_hearth`, or why no member signed it), a skipped message that
+    is an event only a newer hearth reads, named by its type (and version); False when it is no event at all (not
+    even its envelope validates). Logged only for another reason: its reader told of its type already
+    (events.newer_hearth)."""
     newer = message.newer
     if newer is None or newer.envelope is None:
         return False
-    _record(message, newer.envelope, newer.label, NEWER_HEARTH, rows, samples_per_minute)
+    event = newer.envelope
+    if _record(message, event, newer.label, reason, rows, samples_per_minute) and reason != NEWER_HEARTH:
+        log.warning("%s: rejected %s #%d %s %s from node %s (signer %s): %s%s", projection, message.stream,
+                    message.seq, newer.label, event.event_id, event.node_id, event.signer or "none", reason,
+                    LIKELY_CAUSE.get(reason, ""))
     return True
 
 

@@ -117,6 +117,36 @@ def test_a_newer_hearths_events_are_kept_as_rejected_naming_them_and_told_once(t
     engine.dispose()
 
 
+def test_a_newer_hearths_event_no_member_signed_is_kept_for_that_not_as_a_newer_hearths(tmp_path, caplog):
+    # Its type's rules are the newer hearth's, but its signature is checked as any event's: a forged, unsigned or
+    # outsider's event of an unknown type is no newer hearth's event to keep for a newer projector.
+    stranger = MemberKey.generate()
+    forged = json.loads(signed_body(type="shard.relocated", event_id=f"{2:032x}"))
+    forged["node_id"] = "elsewhere"  # changed after signing
+    unsigned = {**json.loads(signed_body(type="shard.relocated", event_id=f"{3:032x}")), "signature": None}
+    outsider = {**json.loads(signed_body(type="shard.relocated", event_id=f"{4:032x}")), "signer": stranger.public_key}
+    outsider.pop("signature")
+    outsider["signature"] = stranger.sign_b64(canonical_json(outsider))
+    bodies = (forged, unsigned, outsider)
+    messages = [as_stored(1, signed_body(type="shard.relocated", event_id=f"{1:032x}")),
+                *(as_stored(seq, json.dumps(body).encode()) for seq, body in enumerate(bodies, 2))]
+    engine = migrated_engine(tmp_path / "rm.db")
+    rejections: list = []
+    caplog.set_level(logging.WARNING)
+    with Session(engine) as session, session.begin():
+        ReadModelProjection(verifier=EventVerifier(ROSTER, max_clock_skew_s=30)).apply_many(
+            session, messages, rejections=rejections)
+    with Session(engine) as session:
+        kept = [(row.stream_seq, row.type, row.reason)
+                for row in session.scalars(select(RejectedEvent).order_by(RejectedEvent.stream_seq))]
+    assert kept == [(1, "shard.relocated", "newer_hearth"), (2, "shard.relocated", "bad_signature"),
+                    (3, "shard.relocated", "unsigned"), (4, "shard.relocated", "unknown_signer")]
+    assert [rejection.reason for rejection in rejections] == ["newer_hearth", "bad_signature", "unsigned",
+                                                              "unknown_signer"]
+    assert any("bad_signature" in record.getMessage() for record in caplog.records)
+    engine.dispose()
+
+
 def test_a_message_that_is_no_event_at_all_is_skipped_and_not_kept_as_a_newer_hearths(tmp_path):
     """Nor is a known type's event with a value its field does not list: a new value is a breaking change."""
     engine = migrated_engine(tmp_path / "rm.db")
