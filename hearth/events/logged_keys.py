@@ -94,10 +94,17 @@ class LoggedKeys:
     def rejection(self, verifier: EventVerifier, message: Any) -> RejectionReason | None:
         """`verifier`'s verdict on a stored event (a StoredEvent) read after what was recorded so far, at the
         broker's storage time and position, as a live projection gives it."""
-        event = message.event
-        return verifier.rejection(event, received_at=message.time, stored_data=getattr(message, "data", b""),
-                                  position=StreamPosition(message.stream, message.seq, message.subject),
-                                  removal_logged=self.removal_logged(message.stream, event.signer),
-                                  steward_succession=self.succession(message.stream),
-                                  member_succession=self.member_succession(message.stream),
-                                  member_addition=self.addition(message.stream))
+        return self._verdict(verifier.rejection, message.event, message)
+
+    def signature_rejection(self, verifier: EventVerifier, message: Any) -> RejectionReason | None:
+        """The same for an event only a newer hearth reads (a SkippedMessage with its envelope): its signature's
+        checks alone (EventVerifier.signature_rejection)."""
+        return self._verdict(verifier.signature_rejection, message.newer.envelope, message)
+
+    def _verdict(self, check: Any, event: Any, message: Any) -> RejectionReason | None:
+        return check(event, received_at=message.time, stored_data=getattr(message, "data", b""),
+                     position=StreamPosition(message.stream, message.seq, message.subject),
+                     removal_logged=self.removal_logged(message.stream, event.signer),
+                     steward_succession=self.succession(message.stream),
+                     member_succession=self.member_succession(message.stream),
+                     member_addition=self.addition(message.stream))

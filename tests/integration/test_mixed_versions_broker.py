@@ -43,14 +43,17 @@ def attic_wrote(kind: str, **fields) -> tuple[str, bytes]:
     return f"{EVENTS_PREFIX}.shard.attic.{shard_key(ATTIC_SHARD)}.{kind.partition('.')[2]}", body
 
 
-async def publish_signed(url: str, seed_file, written: list[tuple[str, dict]]) -> None:
+async def publish_signed(url: str, seed_file, written: list[tuple[str, dict]], *, forged: tuple[int, ...] = ()) -> None:
+    """Publish each of `written` as attic, signed; those at the indices `forged` changed after signing."""
     key = MemberKey.load(seed_file)
     connection = await connect_nats(url, name="test-attic", settings=NatsSettings(url=url, creds_file=seed_file))
     try:
         js = connection.jetstream()
-        for subject, body in written:
+        for index, (subject, body) in enumerate(written):
             body = {**body, "signer": key.public_key}
             body["signature"] = key.sign_b64(canonical_json(body))
+            if index in forged:
+                body["occurred_at"] = utc_now().isoformat()
             await js.publish(subject, json.dumps(body).encode(), headers={"Nats-Msg-Id": body["event_id"]})
     finally:
         await connection.close()
@@ -69,7 +72,8 @@ def test_a_newer_hearths_events_are_kept_as_rejected_and_what_follows_is_applied
             attic_wrote("shard.relocated", to="garage"),
             attic_wrote("shard.heartbeat", **{**heartbeat, "version": 2}),  # a breaking change since
             attic_wrote("shard.heartbeat", **heartbeat),
-        ]))
+            attic_wrote("shard.relocated", to="garage"),  # changed after it was signed: no newer hearth's event
+        ], forged=(5,)))
         live = tmp_path / "live.sqlite"
         upgrade_database(live)
         verifier = EventVerifier(community.roster(), max_clock_skew_s=30)
@@ -84,11 +88,12 @@ def test_a_newer_hearths_events_are_kept_as_rejected_and_what_follows_is_applied
                     for row in session.scalars(select(RejectedEvent).order_by(RejectedEvent.stream_seq))]
         engine.dispose()
         assert kept == [(seq, "shard.relocated", "newer_hearth", "attic") for seq in (2, 3)] + [
-            (4, "shard.heartbeat version 2", "newer_hearth", "attic")]
+            (4, "shard.heartbeat version 2", "newer_hearth", "attic"), (6, "shard.relocated", "bad_signature", "attic")]
         warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
-        assert len(warnings) == 2, warnings  # one per type and version, however many of its events
+        assert len(warnings) == 3, warnings  # one per type and version, however many of its events; the forged one
         assert "'shard.relocated' is not one this hearth knows" in warnings[0]
         assert "shard.heartbeat version 2 is newer than this hearth reads (up to 1)" in warnings[1]
+        assert "shard.relocated" in warnings[2] and "bad_signature" in warnings[2]
 
         # A rebuild by this hearth keeps them the same way; the audit names each one as the read model does.
         fresh = tmp_path / "fresh.sqlite"
@@ -97,7 +102,8 @@ def test_a_newer_hearths_events_are_kept_as_rejected_and_what_follows_is_applied
         report = asyncio.run(as_auditor(community, server.url, lambda js: verify_streams(js, verifier, ALL_STREAMS)))
         assert [(bad.stream, bad.seq, bad.reason, bad.event_type) for bad in report.bad] == [
             (SHARDS_STREAM, seq, "newer_hearth", kind) for seq, kind in
-            ((2, "shard.relocated"), (3, "shard.relocated"), (4, "shard.heartbeat version 2"))]
+            ((2, "shard.relocated"), (3, "shard.relocated"), (4, "shard.heartbeat version 2"))] + [
+            (SHARDS_STREAM, 6, "bad_signature", "shard.relocated")]
 
 
 @pytest.mark.parametrize("protocol", [MESH_PROTOCOL + 1, None])

@@ -2,8 +2,9 @@
 (hearth/events/signing.py: signed, by a member of the roster whose role may emit the type, for its own node, not
 stored after its signer's removal, not dated after the broker stored it; and not a copy of an event that passed before
 nor older than a read model keeps its id, hearth/readmodels/applied_events.py) and reports each event that fails it,
-and each a newer hearth wrote (`newer_hearth`, as a projection keeps it).
-The removals and the steward keys each stream's log shows count from where they stand in it, as in a projection."""
+and each a newer hearth wrote (`newer_hearth`, as a projection keeps it: a member's signature checked, not its
+type's rules). The removals and the steward keys each stream's log shows count from where they stand in it, as in
+a projection."""
 
 from __future__ import annotations
 
@@ -122,8 +123,9 @@ class PassedEvents:
 def _verdict(verifier: EventVerifier, message: Any, logged: LoggedKeys, passed: PassedEvents) -> BadEvent | None:
     if isinstance(message, SkippedMessage):
         envelope = message.newer.envelope if message.newer is not None else None
-        if envelope is not None:  # a newer hearth's event: as a projection keeps it
-            return BadEvent(message.stream, message.seq, NEWER_HEARTH, event_type=message.newer.label,
+        if envelope is not None:  # a newer hearth's event: as a projection keeps it, its signature checked
+            reason = logged.signature_rejection(verifier, message) or NEWER_HEARTH
+            return BadEvent(message.stream, message.seq, reason, event_type=message.newer.label,
                             event_id=envelope.event_id, node_id=envelope.node_id, signer=envelope.signer)
         return BadEvent(message.stream, message.seq, UNDECODABLE, detail=message.error)
     event = message.event
