@@ -130,17 +130,28 @@ def weights_kept_precise(model_path: Path, quantization: str | QuantizationSchem
 def weights_rounded_again(model_path: Path, quantization: str | QuantizationScheme, *,
                           device: torch.device | str = default_read_device) -> dict[str, int]:
     """{GGUF block type: how many decoder-layer weights of it} stored quantized that `quantization` rounds again
-    into its own codes on `device` (no rule of hearth/inference/held_forms.py holds them otherwise: an I-quant, Q2_K
-    or Q3_K under int4, a 5- to 8-bit block under int8); empty for a checkpoint that is no GGUF, and for `none`."""
-    scheme = parse_quantization(quantization)
+    into its own codes on `device` (rounded_again_of); empty for a checkpoint that is no GGUF, and for `none`."""
     path = single_gguf_in(model_path) if model_path.is_dir() else model_path
-    if not scheme.quantized or path is None or not is_gguf_file(path):
+    if path is None or not is_gguf_file(path):
         return {}
-    tensors = gguf_layer_tensors(layer_tensor_blocks(path))
+    return rounded_again_of(gguf_layer_tensors(layer_tensor_blocks(path)), quantization, device=device)
+
+
+def rounded_again_of(tensors: Iterable[tuple[str, str, list[int]]], quantization: str | QuantizationScheme, *,
+                     device: torch.device | str = default_read_device) -> dict[str, int]:
+    """{block type: how many} of the decoder-layer weights among `tensors` ((name, stored type, shape)) stored in
+    quantized blocks that `quantization` rounds again into its own codes on `device`: no rule of
+    hearth/inference/held_forms.py holds them otherwise (an I-quant, Q2_K or Q3_K under int4, a 5- to 8-bit block
+    under int8); empty for `none`."""
+    scheme = parse_quantization(quantization)
+    if not scheme.quantized:
+        return {}
+    tensors = list(tensors)
     precisions = layer_precisions(tensors)
     again = Counter(block_type for name, block_type, shape in tensors
-                    if len(shape) == 2 and block_type not in FLOAT_GGUF_TYPE_NAMES
-                    and held_scheme(scheme, block_type, shape, precisions[layer_of(name)], device) is None)
+                    if len(shape) == 2 and (layer := layer_of(name)) is not None
+                    and block_type in QUANTIZED_GGUF_TYPE_NAMES
+                    and held_scheme(scheme, block_type, shape, precisions[layer], device) is None)
     return dict(sorted(again.items()))
 
 

@@ -15,7 +15,7 @@ from hearth.services.common.config import HearthSettings
 from hearth.services.common.hearth_files import data_dir
 from hearth.services.doctor.model_checks import _layer_bytes, memory_check, model_source_check
 
-from .gguf_files import own_cache, rewrite_gguf, tiny_gguf  # noqa: F401  (fixtures)
+from .gguf_files import own_cache, quantized_iq4_nl, rewrite_gguf, tiny_gguf  # noqa: F401  (fixtures)
 
 TINY = data_dir("models") / "hearth-tiny-llama"
 MXFP4 = GGMLQuantizationType.MXFP4
@@ -99,6 +99,26 @@ def test_the_default_says_it_weighs_the_layers_as_stored(tiny_gguf):
                          quantize=None)
     assert check.verdict == "ok"
     assert "quantized int4/g32 (--quantize auto: the precision its layers are stored in), on cpu" in check.detail
+
+
+def test_the_memory_line_says_when_int4_rounds_a_files_blocks_again(tiny_gguf, tmp_path):
+    source, _ = tiny_gguf("llama", GGMLQuantizationType.F32)
+
+    def in_iq4_nl(name, values):
+        if values.ndim != 2 or not name.startswith("blk."):
+            return values, None
+        return quantized_iq4_nl(values), GGMLQuantizationType.IQ4_NL
+
+    path = rewrite_gguf(source, tmp_path / "iq4_nl.gguf", "llama", in_iq4_nl)
+    _line, checked = model_source_check(str(path))
+    check = memory_check(checked, None, HearthSettings(), memory_budget_mb=100, device="cpu", dtype="fp32",
+                         quantize=None)
+    assert check.verdict == "ok" and check.detail.endswith(
+        "; its IQ4_NL blocks are rounded again into int4/g32 (no kernel holds them as stored): `hearth eval "
+        "--reference` measures what that costs, and a Q4_K_M file of the model is served as stored")
+    as_int8 = memory_check(checked, None, HearthSettings(), memory_budget_mb=100, device="cpu", dtype="fp32",
+                           quantize="int8")
+    assert as_int8.verdict == "ok" and "rounded again" not in as_int8.detail  # int8 keeps the file's quality
 
 
 def test_a_device_this_machine_lacks_fails_the_memory_check():

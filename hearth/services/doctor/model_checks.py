@@ -105,7 +105,8 @@ def memory_check(source: ModelSource, manifest, settings: HearthSettings, *, mem
     except ShardInputRefused as error:
         return fail("memory", str(error))
     try:
-        scheme = resolve_quantization(setting, _layer_tensors(source, manifest), compute_device)
+        tensors = _layer_tensors(source, manifest)
+        scheme = resolve_quantization(setting, tensors, compute_device)
         layer_bytes = _layer_bytes(source, manifest, compute_dtype, scheme, compute_device)
     except ShardInputRefused as error:
         return fail("memory", str(error))
@@ -128,7 +129,22 @@ def memory_check(source: ModelSource, manifest, settings: HearthSettings, *, mem
     held = (f"quantized {scheme.label}" if scheme.quantized else "unquantized") + \
         (" (--quantize auto: the precision its layers are stored in)" if setting == AUTO_QUANTIZATION else "")
     return ok("memory", f"{shown_mb(budget_bytes)} MB{where} holds up to {most} of the {len(layer_bytes)} layers, "
-                        f"{held}, on {compute_device} ({shown_mb(kv_reserve_bytes(shard))} MB of it the KV reserve)")
+                        f"{held}, on {compute_device} ({shown_mb(kv_reserve_bytes(shard))} MB of it the KV reserve)"
+                        f"{_rounded_again_note(tensors, scheme, compute_device)}")
+
+
+def _rounded_again_note(tensors, scheme, device) -> str:
+    """What the memory line adds where int4 rounds a GGUF's quantized blocks again (an I-quant, Q2_K, Q3_K: no
+    kernel holds their levels), which costs quality on top of the file's own and saves no memory over a 4-bit file
+    held as stored; empty otherwise."""
+    from hearth.inference.memory import rounded_again_of
+
+    again = rounded_again_of(tensors, scheme, device=device) if scheme.kind == "int4" else {}
+    if not again:
+        return ""
+    return (f"; its {', '.join(again)} blocks are rounded again into {scheme.label} (no kernel holds them as "
+            "stored): `hearth eval --reference` measures what that costs, and a Q4_K_M file of the model is served "
+            "as stored")
 
 
 def _layer_tensors(source: ModelSource, manifest) -> list[tuple[str, str, list[int]]]:
