@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from hearth.events.member_additions import AdditionLookup, LoggedAddition, logged_addition
 from hearth.events.member_keys import MemberSuccession, passed_member_key
-from hearth.events.models import MemberAdded, MemberRemoved
+from hearth.events.models import EventEnvelope, MemberAdded, MemberRemoved
 from hearth.events.signing import EventVerifier, RejectionReason, StreamPosition
 from hearth.events.steward_keys import Succession, passed_steward_key
 from hearth.readmodels.batch_rows import (
@@ -64,17 +65,7 @@ def rejection(verifier: EventVerifier | None, message: StoredEvent, rows: BatchR
     """Why `message` must not be applied (None: apply it; always None without a verifier, an open mesh)."""
     if verifier is None:
         return None
-    event = message.event
-    removal_logged = event.signer is not None and rows.get(MEMBER_REMOVALS, (message.stream, event.signer)) is not None
-    # The broker's storage time and position (not this process's clock), so a replay of the log rejects exactly
-    # what the live projection rejected.
-    return verifier.rejection(event, received_at=message.time, stored_data=message.data,
-                              position=StreamPosition(message.stream, message.seq, message.subject),
-                              removal_logged=removal_logged,
-                              steward_succession=steward_succession(message.stream, rows),
-                              member_succession=member_succession(message.stream, rows),
-                              member_addition=member_addition(message.stream, rows)) or pipeline_of_another(
-        event, rows)
+    return _verdict(verifier.rejection, message.event, message, rows) or pipeline_of_another(message.event, rows)
 
 
 def newer_rejection(verifier: EventVerifier | None, message: SkippedMessage, rows: BatchRows
@@ -85,14 +76,21 @@ def newer_rejection(verifier: EventVerifier | None, message: SkippedMessage, row
     envelope = message.newer.envelope if message.newer is not None else None
     if verifier is None or envelope is None:
         return None
-    removal_logged = envelope.signer is not None and \
-        rows.get(MEMBER_REMOVALS, (message.stream, envelope.signer)) is not None
-    return verifier.signature_rejection(envelope, received_at=message.time, stored_data=message.data,
-                                        position=StreamPosition(message.stream, message.seq, message.subject),
-                                        removal_logged=removal_logged,
-                                        steward_succession=steward_succession(message.stream, rows),
-                                        member_succession=member_succession(message.stream, rows),
-                                        member_addition=member_addition(message.stream, rows))
+    return _verdict(verifier.signature_rejection, envelope, message, rows)
+
+
+def _verdict(check: Callable[..., RejectionReason | None], event: EventEnvelope,
+             message: StoredEvent | SkippedMessage, rows: BatchRows) -> RejectionReason | None:
+    """`check` (one of EventVerifier's) on `event`, stored as `message`, after what `rows` hold of its stream's log."""
+    removal_logged = event.signer is not None and rows.get(MEMBER_REMOVALS, (message.stream, event.signer)) is not None
+    # The broker's storage time and position (not this process's clock), so a replay of the log rejects exactly
+    # what the live projection rejected.
+    return check(event, received_at=message.time, stored_data=message.data,
+                 position=StreamPosition(message.stream, message.seq, message.subject),
+                 removal_logged=removal_logged,
+                 steward_succession=steward_succession(message.stream, rows),
+                 member_succession=member_succession(message.stream, rows),
+                 member_addition=member_addition(message.stream, rows))
 
 
 def pipeline_of_another(event: object, rows: BatchRows) -> RejectionReason | None:

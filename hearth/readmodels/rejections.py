@@ -34,9 +34,7 @@ def record_rejection(message: StoredEvent, reason: RejectionReason, rows: BatchR
     event = message.event
     if _record(message, event, event.type, reason, rows, samples_per_minute):
         # Logged only as it is kept: a flood logs no more lines than it leaves rows.
-        log.warning("%s: rejected %s #%d %s %s from node %s (signer %s): %s%s", projection, message.stream,
-                    message.seq, event.type, event.event_id, event.node_id, event.signer or "none", reason,
-                    LIKELY_CAUSE.get(reason, ""))
+        _log_rejected(projection, message, event, event.type, reason)
 
 
 def record_newer_hearths(message: SkippedMessage, rows: BatchRows, *, samples_per_minute: int | None,
@@ -50,10 +48,14 @@ def record_newer_hearths(message: SkippedMessage, rows: BatchRows, *, samples_pe
         return False
     event = newer.envelope
     if _record(message, event, newer.label, reason, rows, samples_per_minute) and reason != NEWER_HEARTH:
-        log.warning("%s: rejected %s #%d %s %s from node %s (signer %s): %s%s", projection, message.stream,
-                    message.seq, newer.label, event.event_id, event.node_id, event.signer or "none", reason,
-                    LIKELY_CAUSE.get(reason, ""))
+        _log_rejected(projection, message, event, newer.label, reason)
     return True
+
+
+def _log_rejected(projection: str, message: StoredEvent | SkippedMessage, event: EventEnvelope, event_type: str,
+                  reason: RejectionReason) -> None:
+    log.warning("%s: rejected %s #%d %s %s from node %s (signer %s): %s%s", projection, message.stream, message.seq,
+                event_type, event.event_id, event.node_id, event.signer or "none", reason, LIKELY_CAUSE.get(reason, ""))
 
 
 def _record(message: StoredEvent | SkippedMessage, event: EventEnvelope, event_type: str, reason: RejectionReason,
