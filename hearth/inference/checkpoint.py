@@ -283,6 +283,10 @@ class SafetensorsCheckpoint:
         """The file holding each tensor, by name."""
         return dict(self._file_of)
 
+    def file_holding(self, name: str) -> Path:
+        """The file that holds tensor `name`."""
+        return self._file_of[name]
+
     def names(self) -> set[str]:
         """Every tensor name in the checkpoint."""
         return set(self._file_of)

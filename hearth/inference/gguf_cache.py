@@ -131,7 +131,7 @@ class GGUFCacheEntry:
         if self.folder.is_dir():
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        _prune(self.folder.parent, keep=self.folder)
+        prune_entries(self.folder.parent, keep=self.folder, max_entries=GGUF_CACHE_MAX_ENTRIES)
 
 
 def gguf_cache_entry(path: str | Path) -> GGUFCacheEntry:
@@ -140,13 +140,13 @@ def gguf_cache_entry(path: str | Path) -> GGUFCacheEntry:
     return GGUFCacheEntry(gguf_cache_root() / gguf_cache_entry_name(path, file_version(path.stat())))
 
 
-def _prune(root: Path, *, keep: Path) -> None:
-    """Remove the least recently written entries beyond GGUF_CACHE_MAX_ENTRIES (never `keep`)."""
+def prune_entries(root: Path, *, keep: Path, max_entries: int) -> None:
+    """Remove the entry folders of `root` least recently written (or touched) beyond `max_entries` (never `keep`)."""
     try:
         entries = [(entry.stat().st_mtime_ns, entry) for entry in root.iterdir() if entry.is_dir()]
     except OSError:
         return
     entries.sort(reverse=True)
-    for _, entry in entries[GGUF_CACHE_MAX_ENTRIES:]:
+    for _, entry in entries[max_entries:]:
         if entry != keep:
             shutil.rmtree(entry, ignore_errors=True)

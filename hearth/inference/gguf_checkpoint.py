@@ -190,6 +190,10 @@ class GGUFCheckpoint:
         """Every HF tensor name the GGUF holds."""
         return set(self._tensor_of)
 
+    def file_holding(self, name: str) -> Path:
+        """The file that holds tensor `name`: the GGUF."""
+        return self.path
+
     def stored_quantized(self, name: str) -> bool:
         """Whether the tensor is stored in a quantized block type (not F32/F16/BF16/F64)."""
         return self._stored(name).block_type.name not in FLOAT_GGUF_TYPE_NAMES

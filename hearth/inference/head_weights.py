@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quantization import QUANTIZE_ROWS_PER_CHUNK, QuantizationScheme, QuantizedLinear, head_quantization
+from .quantization import QuantizationScheme, QuantizedLinear, head_quantization
+from .weight_codes import QUANTIZE_ROWS_PER_CHUNK
 
 # torch's CPU capabilities whose float16 one-row product reads float16 weights and sums in float32 at about the speed
 # of their bytes; elsewhere (no AVX2, or a CPU where it was not measured) a float16 product may be slower than

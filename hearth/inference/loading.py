@@ -8,7 +8,9 @@ that need no dtype conversion stay memory-mapped from the checkpoint files on th
 resident when first used and are shared through the page cache by every process that maps the same
 file, so a checkpoint must not be rewritten in place while it is being served. Tensors converted to
 another dtype or sent to a GPU are written straight into their final tensor, a few MiB at a time, so
-loading a range never needs more host memory than its weights plus one such chunk.
+loading a range never needs more host memory than its weights plus one such chunk. A weight int4 rounds on the CPU is
+read from the codes an earlier load kept on disk where they are (hearth/inference/int4_code_cache.py), not from the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,8 +37,10 @@ from hearth.formats.gguf_support import is_gguf_file
 from .gguf_tensor_table import check_layer_block_types
 from .ollama_models import served_model_id
 from .held_forms import held_scheme, stored_precision
+from .int4_code_cache import Int4CodeCache, int4_code_cache, int4_code_cache_root
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
     check_quantizable, dense_linears, quantize_linears
+from .weight_codes import int4_codes
 from .heap import bound_arena_tops
 from .row_attention import use_row_attention
 from .runner import LayerRangeRunner
@@ -58,6 +62,17 @@ class _HeldOtherwise:
     held: QuantizationScheme
 
 
+@dataclass(frozen=True)
+class _RoundedOnCPU:
+    """A layer's Linear whose float weight int4 rounds on the CPU, and the cache of its codes (None: none)."""
+
+    parent: nn.Module
+    child_name: str
+    linear: nn.Linear
+    weight_name: str
+    cache: Int4CodeCache | None
+
+
 @dataclass
 class _Skeleton:
     """A checkpoint opened for partial loading: config, adapter, and a model whose tensors live on meta."""
@@ -69,6 +84,9 @@ class _Skeleton:
     checkpoint: SafetensorsCheckpoint | GGUFCheckpoint
     module_names: dict[int, str]
     device: torch.device
+    weights_from_code_cache: int = 0
+    # Linears held otherwise than the scheme rounds them (held_otherwise), by the label of what they are held in.
+    held_otherwise_labels: Counter[str] = field(default_factory=Counter)
 
     def name_of(self, module: nn.Module) -> str:
         return self.module_names[id(module)]
@@ -107,19 +125,47 @@ class _Skeleton:
                 if (held := held_scheme(scheme, stored_types[weight_name], tuple(linear.weight.shape), precision,
                                         self.device)) is not None]
 
+    def rounded_on_cpu(self, layer: nn.Module, scheme: QuantizationScheme,
+                       held_otherwise: list[_HeldOtherwise]) -> list[_RoundedOnCPU]:
+        """The Linears of ``layer`` whose float weights int4 rounds on the CPU (none under another scheme or device),
+        each with the cache of its weight file's codes (hearth/inference/int4_code_cache.py)."""
+        if scheme.kind != "int4" or self.device.type != "cpu":
+            return []
+        held = {one.linear for one in held_otherwise}
+        rounded = []
+        for parent, child_name, linear in dense_linears(layer):
+            if linear not in held:
+                weight_name = self.name_of(linear) + ".weight"
+                cache = int4_code_cache(self.checkpoint.file_holding(weight_name), self.info.dtype, scheme.label)
+                rounded.append(_RoundedOnCPU(parent, child_name, linear, weight_name, cache))
+        return rounded
+
     def materialize_layer(self, layer: nn.Module, scheme: QuantizationScheme) -> list[str]:
         """Materialize ``layer``, its Linears held otherwise than ``scheme`` rounds them (held_otherwise) already in
         that form: those stored as 4-bit codes in groups as QuantizedLinear from the stored codes (never read dense,
-        nor re-rounded), a 4-bit mix's more precise ones read and then held in int8; returns the checkpoint names
-        read, the stored codes' first."""
+        nor re-rounded), a 4-bit mix's more precise ones read and then held in int8; those int4 rounds on the CPU
+        from their codes cached on disk, else read, rounded and their codes cached (rounded_on_cpu). Returns the
+        names of the checkpoint tensors the layer holds, the stored codes' first, then the cached codes'."""
         held_otherwise = self.held_otherwise(layer, scheme)
         as_stored = {one.weight_name: one for one in held_otherwise if one.held.kind == "int4"}
-        names = self.materialize(layer, except_names=frozenset(as_stored))
+        rounded = self.rounded_on_cpu(layer, scheme, held_otherwise)
+        cached = {one.weight_name: codes for one in rounded if one.cache is not None and (codes := one.cache.codes(
+            one.weight_name, tuple(one.linear.weight.shape), scheme.group_size)) is not None}
+        names = self.materialize(layer, except_names=frozenset(as_stored) | frozenset(cached))
         for one in held_otherwise:
             stored = (self.checkpoint.read_int4_groups(one.weight_name, self.device)
                       if one.weight_name in as_stored else None)
             setattr(one.parent, one.child_name, QuantizedLinear(one.linear, one.held, stored))
-        return [*as_stored, *names]
+        self.held_otherwise_labels.update(one.held.label for one in held_otherwise)
+        for one in rounded:
+            codes = cached.get(one.weight_name)
+            if codes is None:
+                codes = int4_codes(one.linear.weight.detach(), scheme.group_size)
+                if one.cache is not None:
+                    one.cache.store(one.weight_name, codes)
+            setattr(one.parent, one.child_name, QuantizedLinear(one.linear, scheme, codes))
+        self.weights_from_code_cache += len(cached)
+        return [*as_stored, *cached, *names]
 
 
 def open_skeleton(
@@ -274,19 +320,17 @@ def load_layer_range(
                           held_otherwise={one.linear for one in skeleton.held_otherwise(layer, scheme)})
     layers: dict[int, nn.Module] = {}
     loaded_names: list[str] = []
-    held_otherwise: Counter[str] = Counter()
     for layer_index in range(lo, hi + 1):
         layer = decoder.layers[layer_index]
         loaded = skeleton.materialize_layer(layer, scheme)
-        held_otherwise.update(m.scheme.label for m in layer.modules() if isinstance(m, QuantizedLinear))
         loaded_names += loaded
         assert_materialized(layer, f"layer {layer_index}")
         quantize_linears(layer, scheme)
         layers[layer_index] = layer
-    if held_otherwise:
+    if skeleton.held_otherwise_labels:
         said = [f"{count} Linears held in {label} " + ("as stored" if label.startswith("int4") else
                                                         "(a 4-bit mix's more precise weights)")
-                for label, count in sorted(held_otherwise.items())]
+                for label, count in sorted(skeleton.held_otherwise_labels.items())]
         logger.info("layers %d-%d of %s under %s: %s", lo, hi, skeleton.info.model_id, scheme.label, ", ".join(said))
     use_cpu_linear_kernel(layers.values(), cpu_linear_kernel, skeleton.device,
                           next(layers[lo].parameters()).dtype)
@@ -295,12 +339,14 @@ def load_layer_range(
     # The rotary module only holds inverse frequencies derived from the config: build it for real.
     rotary_embedding = type(decoder.rotary_emb)(config=skeleton.config).to(skeleton.device)
     logger.info(
-        "loaded layers %d-%d of %s (%d bytes read, quantization %s)",
+        "loaded layers %d-%d of %s (%d bytes read, quantization %s%s)",
         lo,
         hi,
         skeleton.info.model_id,
         skeleton.checkpoint.bytes_read,
         scheme.label,
+        f", {skeleton.weights_from_code_cache} weights' codes from the cache {int4_code_cache_root()}"
+        if skeleton.weights_from_code_cache else "",
     )
     runner = LayerRangeRunner(
         info=skeleton.info,

@@ -38,7 +38,8 @@ from .heap import release_freed_heap
 from .int8_kernels import INT_MM_FEATURE_MULTIPLE, cuda_row_product, fbgemm_row_product, fbgemm_shared_product, \
     int8_rows_on_cpu, pack_for_fbgemm
 from .shared_products import SharedRowProduct
-from .weight_codes import INT4_MIDPOINT, KERNEL_DTYPE, int4_grouped_codes, int8_per_channel, pack_int4_for_cuda
+from .weight_codes import INT4_MIDPOINT, KERNEL_DTYPE, Int4Codes, int4_codes, int4_grouped_codes, \
+    int8_per_channel, pack_int4_for_cuda, row_chunks
 
 DEFAULT_QUANTIZATION = "none"
 # The setting that serves each checkpoint as it is stored (hearth/inference/stored_precision.py); mirrored by
@@ -50,10 +51,6 @@ DEFAULT_INT4_GROUP_SIZE = 32
 # Mirrored by hearth/protocol/quantization_labels.py (which the CLI and configuration check against, without torch).
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 QUANTIZATION_KINDS: tuple[str, ...] = ("none", "int8", "int4")  # most precise first
-# Weights are quantized this many output rows at a time, so the float temporaries stay small and reuse the same
-# freed memory instead of growing the heap; a multiple of the int4 packing's block of 32 rows.
-QUANTIZE_ROWS_PER_CHUNK = 256
-_INT4_PACK_ROWS = 32
 _INT4_PACK_MIN_ROWS = 16
 _SCHEME_RE = re.compile(r"^(none|int8|int4)(?:/g(\d+))?$")
 
@@ -159,6 +156,14 @@ class Int4Groups:
     def group_size(self) -> int:
         return self.codes.shape[1] // self.scales.shape[1]
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight the codes stand for."""
         rows, columns = self.codes.shape
@@ -194,12 +199,13 @@ def held_tensor_bytes(modules: Iterable[nn.Module]) -> int:
 class QuantizedLinear(nn.Module):
     """A Linear whose weight is held quantized (in buffers, or int8 codes in fbgemm's packed form: packed_bytes) and
     whose product runs on the module docstring's kernels; the bias, if any, stays dense. With ``stored`` (int4 codes
-    as the checkpoint stores them, in ``scheme``'s groups) the codes are taken as they are and ``dense`` gives only
-    its shape and bias (its weight may be on the meta device). With ``weight_rows`` (int8 on the CPU: the weight's
+    in ``scheme``'s groups: as the checkpoint stores them, or as rounded before, hearth/inference/int4_code_cache.py)
+    the codes are taken as they are and ``dense`` gives only its shape and bias (its weight may be on the meta
+    device). With ``weight_rows`` (int8 on the CPU: the weight's
     rows in order, as a checkpoint reads them a chunk at a time) ``dense`` gives only its shape and bias likewise, so
     the weight is never held whole in floats; its codes are the loaded weight's, each row having its own scale."""
 
-    def __init__(self, dense: nn.Linear, scheme: QuantizationScheme, stored: Int4Groups | None = None,
+    def __init__(self, dense: nn.Linear, scheme: QuantizationScheme, stored: Int4Groups | Int4Codes | None = None,
                  weight_rows: Iterable[torch.Tensor] | None = None) -> None:
         super().__init__()
         if not scheme.quantized:
@@ -210,12 +216,12 @@ class QuantizedLinear(nn.Module):
         self.scheme = scheme
         rows, columns = self.out_features, self.in_features
         if stored is not None and (scheme.kind != "int4" or stored.group_size != scheme.group_size
-                                   or tuple(stored.codes.shape) != (rows, columns)):
+                                   or stored.shape != (rows, columns)):
             raise QuantizationError(
-                f"stored int4 codes {tuple(stored.codes.shape)} in groups of {stored.group_size} cannot be held as "
+                f"stored int4 codes {stored.shape} in groups of {stored.group_size} cannot be held as "
                 f"{scheme.label} for a {rows}x{columns} Linear")
         weight = None if stored is not None or weight_rows is not None else dense.weight.detach()
-        device = (stored.codes.device if stored is not None
+        device = (stored.device if stored is not None
                   else torch.device("cpu") if weight is None else weight.device)
         # torch._int_mm needs feature counts that are multiples of 8; others keep torch's weight-only kernel.
         self._int8_dynamic = (device.type == "cuda" and scheme.kind == "int8"
@@ -239,12 +245,11 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer("weight_int4pack", pack_int4_for_cuda(codes))
                 self.register_buffer("scales_and_zeros", scales_and_zeros)
             else:
+                stored = stored if stored is not None else int4_codes(weight, scheme.group_size)
                 packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
                 scales_and_zeros = torch.empty(columns // scheme.group_size, rows, 2, dtype=KERNEL_DTYPE)
-                for first, last in _row_chunks(rows):
-                    codes, scales_and_zeros[:, first:last] = (
-                        stored.kernel_form(first, last) if stored is not None
-                        else int4_grouped_codes(weight[first:last].float(), scheme.group_size))
+                for first, last in row_chunks(rows):
+                    codes, scales_and_zeros[:, first:last] = stored.kernel_form(first, last)
                     packed[first:last] = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
                 self.register_buffer("weight_int4pack", packed)
                 self.register_buffer("scales_and_zeros", scales_and_zeros)
@@ -295,7 +300,7 @@ def _weight_rows(weight: torch.Tensor | None, given: Iterable[torch.Tensor] | No
                  count: int) -> Iterable[tuple[int, int, torch.Tensor]]:
     """(first, last, rows) of a weight's `count` rows: `given` chunks in order, else `weight`'s in _row_chunks."""
     if given is None:
-        yield from ((first, last, weight[first:last]) for first, last in _row_chunks(count))
+        yield from ((first, last, weight[first:last]) for first, last in row_chunks(count))
         return
     first = 0
     for chunk in given:
@@ -306,12 +311,6 @@ def _weight_rows(weight: torch.Tensor | None, given: Iterable[torch.Tensor] | No
         first = last
     if first != count:
         raise QuantizationError(f"the weight's rows came to {first}, not {count}")
-
-
-def _row_chunks(rows: int) -> list[tuple[int, int]]:
-    """Row ranges to quantize one at a time (all rows at once where they are not whole packing blocks)."""
-    step = QUANTIZE_ROWS_PER_CHUNK if rows % _INT4_PACK_ROWS == 0 else rows
-    return [(first, min(first + step, rows)) for first in range(0, rows, step)]
 
 
 # ----------------------------------------------------------------------------------------------- layers

@@ -4,6 +4,8 @@ bytes each form holds."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .int8_kernels import INT8_MAX
@@ -19,6 +21,10 @@ INT4_MAX_CODE = 15
 INT4_RANGE_STEPS = 2
 INT4_RANGE_STEP = 0.4
 _TINY = torch.finfo(torch.float32).tiny
+# Weights are quantized this many output rows at a time, so the float temporaries stay small and reuse the same
+# freed memory instead of growing the heap; a multiple of the int4 packing's block of 32 rows.
+QUANTIZE_ROWS_PER_CHUNK = 256
+INT4_PACK_ROWS = 32
 
 
 def int8_held_bytes(out_features: int, in_features: int) -> int:
@@ -38,6 +44,53 @@ def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scales
 
 
+def row_chunks(rows: int) -> list[tuple[int, int]]:
+    """Row ranges to quantize one at a time (all rows at once where they are not whole packing blocks)."""
+    step = QUANTIZE_ROWS_PER_CHUNK if rows % INT4_PACK_ROWS == 0 else rows
+    return [(first, min(first + step, rows)) for first in range(0, rows, step)]
+
+
+@dataclass(frozen=True)
+class Int4Codes:
+    """A weight rounded to int4 as torch's int4 kernels take it, its codes two to a byte (column 2k in the low four
+    bits, 2k + 1 in the high ones) beside the [groups, out, 2] (scale, zero) table: what a host keeps on disk of a
+    weight it rounded (hearth/inference/int4_code_cache.py)."""
+
+    paired_codes: torch.Tensor  # [out, in // 2], uint8
+    scales_and_zeros: torch.Tensor  # [in // group size, out, 2], KERNEL_DTYPE
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, pairs = self.paired_codes.shape
+        return rows, 2 * pairs
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[1] // self.scales_and_zeros.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.paired_codes.device
+
+    def kernel_form(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows first..last as torch's int4 kernels take them: the codes 0..15 [rows, in], and their part of the
+        (scale, zero) table."""
+        pairs = self.paired_codes[first:last]
+        codes = torch.stack([pairs & 0xF, pairs >> 4], dim=2).reshape(last - first, self.shape[1])
+        return codes, self.scales_and_zeros[:, first:last]
+
+
+def int4_codes(weight: torch.Tensor, group_size: int) -> Int4Codes:
+    """``int4_grouped_codes`` of ``weight``, rounded a chunk of rows at a time (row_chunks) in float32."""
+    rows, columns = weight.shape
+    paired = torch.empty(rows, columns // 2, dtype=torch.uint8, device=weight.device)
+    table = torch.empty(columns // group_size, rows, 2, dtype=KERNEL_DTYPE, device=weight.device)
+    for first, last in row_chunks(rows):
+        codes, table[:, first:last] = int4_grouped_codes(weight[first:last].float(), group_size)
+        paired[first:last] = codes[:, 0::2] | codes[:, 1::2] << 4
+    return Int4Codes(paired, table)
+
+
 def pack_int4_for_cuda(codes: torch.Tensor) -> torch.Tensor:
     """[out, in] codes 0..15 in tinygemm's tiled layout: two codes a byte (even column high), then
     ``torch._convert_weight_to_int4pack`` with the largest inner tiling the input features allow."""
@@ -52,7 +105,8 @@ def int4_grouped_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Ten
     and zero are the least-squares fit of its values to the codes of the best of a few steps tried around its
     minimum..maximum (what llama.cpp's K-quants do: a range a little narrower or wider than the values' often rounds
     them closer, BENCHMARKS.md "Quantized shards: quality"); the codes are then rounded against the bfloat16 scale
-    and zero the kernels read."""
+    and zero the kernels read. Rounding otherwise is another mesh protocol, and another INT4_CODE_CACHE_FORMAT
+    (hearth/inference/int4_code_cache.py)."""
     out_features, in_features = weight.shape
     values = weight.reshape(out_features, in_features // group_size, group_size)
     low = values.amin(dim=2)

@@ -20,7 +20,7 @@ from hearth.inference import (
     parse_quantization,
 )
 from tests.runner_limits import RUNNER_KV_LIMITS
-from hearth.inference import quantization
+from hearth.inference import weight_codes
 from hearth.inference.memory import layer_weight_bytes, range_weight_bytes
 from hearth.inference.weight_codes import INT4_MIDPOINT, int4_grouped_codes
 from hearth.inference.quantization import (
@@ -223,7 +223,7 @@ def test_quantizing_in_row_chunks_gives_the_same_buffers_as_all_rows_at_once(lab
     torch.manual_seed(2)
     dense = nn.Linear(128, 320)
     chunked = QuantizedLinear(dense, parse_quantization(label))
-    monkeypatch.setattr(quantization, "QUANTIZE_ROWS_PER_CHUNK", 10**6)
+    monkeypatch.setattr(weight_codes, "QUANTIZE_ROWS_PER_CHUNK", 10**6)
     whole = QuantizedLinear(dense, parse_quantization(label))
     for (name, ours), (_, theirs) in zip(chunked.named_buffers(), whole.named_buffers(), strict=True):
         assert torch.equal(ours, theirs), name

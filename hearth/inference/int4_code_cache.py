@@ -1,0 +1,117 @@
+"""The disk cache of the int4 codes a CPU host rounds a checkpoint's weights into (weight_codes.int4_codes: each
+group's range searched, which takes longer than reading the weight), so a host loading the same layers again reads
+each weight's codes instead of reading it whole and rounding it again (BENCHMARKS.md, "Quantized shards: quality").
+
+An entry is $HEARTH_CACHE_DIR (default ~/.cache/hearth)/int4-codes/<entry name>, one per weight file, dtype the
+weights are read in and scheme, its name a digest of those (the file by its resolved path and file_version) and of what
+decides the codes (this cache's format, int4's range steps, torch's version): a changed weight file, another rounding
+or another torch make another entry, and the least recently used entries beyond INT4_CODE_CACHE_MAX_ENTRIES are
+pruned. Each weight's codes are one safetensors file of its entry, written to a temporary name and renamed into place
+(processes loading together never read a torn one); none is written where it would leave less than
+INT4_CODE_CACHE_MIN_FREE_BYTES of the disk free. A cache that cannot be read or written only costs the rounding, and a
+file that does not hold codes of the weight's shape and group size is taken for missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .file_version import file_version
+from .gguf_cache import ENTRY_NAME_HEX_CHARS, STAGING_SUFFIX, prune_entries
+from .partial_checkpoint import hearth_cache_dir
+from . import weight_codes
+from .weight_codes import KERNEL_DTYPE, Int4Codes
+
+INT4_CODE_CACHE_DIR_NAME = "int4-codes"
+# Part of every entry's name: bumped whenever what an entry holds changes shape, or int4_grouped_codes rounds
+# otherwise (as the mesh protocol is).
+INT4_CODE_CACHE_FORMAT = 1
+# Entries kept, each the codes of one weight file's layers a host loaded (under int4/g32 about a sixth of their
+# float32 bytes).
+INT4_CODE_CACHE_MAX_ENTRIES = 8
+# The disk space a write leaves free at least: the cache gives way to what the host keeps there.
+INT4_CODE_CACHE_MIN_FREE_BYTES = 1 << 30
+_CODES, _TABLE = "paired_codes", "scales_and_zeros"
+# A damaged, foreign or vanished file (a concurrent prune), or a folder that cannot be written: each means rounding.
+CACHE_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+
+
+def int4_code_cache_root() -> Path:
+    """Where entries live: $HEARTH_CACHE_DIR (default ~/.cache/hearth, as hearth/inference/checksum.py)/int4-codes."""
+    return hearth_cache_dir() / INT4_CODE_CACHE_DIR_NAME
+
+
+@dataclass(frozen=True)
+class Int4CodeCache:
+    """The cached codes of one weight file's weights, read in one dtype and rounded under one int4 scheme."""
+
+    folder: Path
+
+    def codes(self, weight_name: str, shape: tuple[int, int], group_size: int) -> Int4Codes | None:
+        """The codes stored for `weight_name` when they are of that shape and group size, else None."""
+        try:
+            tensors = load_file(self._file(weight_name))
+            codes = Int4Codes(tensors[_CODES], tensors[_TABLE])
+        except CACHE_ERRORS:
+            return None
+        rows, columns = shape
+        if (codes.paired_codes.dtype != torch.uint8 or codes.scales_and_zeros.dtype != KERNEL_DTYPE
+                or codes.shape != (rows, columns) or columns % group_size
+                or tuple(codes.scales_and_zeros.shape) != (columns // group_size, rows, 2)):
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(self.folder)  # used: the last to be pruned
+        return codes
+
+    def store(self, weight_name: str, codes: Int4Codes) -> None:
+        """Keep `codes` as `weight_name`'s; a cache that cannot be written, or a disk near full, is left as it is."""
+        tensors = {_CODES: codes.paired_codes.cpu().contiguous(), _TABLE: codes.scales_and_zeros.cpu().contiguous()}
+        size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        staging = None
+        try:
+            self._create()
+            if shutil.disk_usage(self.folder).free < size + INT4_CODE_CACHE_MIN_FREE_BYTES:
+                return
+            descriptor, staging = tempfile.mkstemp(dir=self.folder, prefix=f".{weight_name}.", suffix=STAGING_SUFFIX)
+            os.close(descriptor)
+            save_file(tensors, staging)
+            os.replace(staging, self._file(weight_name))
+        except CACHE_ERRORS:
+            if staging is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(staging)
+
+    def _file(self, weight_name: str) -> Path:
+        return self.folder / f"{weight_name}.safetensors"
+
+    def _create(self) -> None:
+        if self.folder.is_dir():
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        prune_entries(self.folder.parent, keep=self.folder, max_entries=INT4_CODE_CACHE_MAX_ENTRIES)
+
+
+def int4_code_cache(weight_file: Path, dtype: torch.dtype, scheme_label: str) -> Int4CodeCache | None:
+    """The cache of the codes of `weight_file`'s weights as it is now, read in `dtype` and rounded under
+    `scheme_label`; None when the file cannot be looked at."""
+    try:
+        path = Path(weight_file).resolve()
+        version = file_version(path.stat())
+    except OSError:
+        return None
+    # The rounding's settings read as they are now: a scratch copy that changes them gets entries of its own.
+    rounding = (weight_codes.INT4_RANGE_STEPS, weight_codes.INT4_RANGE_STEP)
+    text = "\0".join(map(str, (INT4_CODE_CACHE_FORMAT, torch.__version__, *rounding, path, *version, dtype,
+                               scheme_label)))
+    name = hashlib.sha256(text.encode()).hexdigest()[:ENTRY_NAME_HEX_CHARS]
+    return Int4CodeCache(int4_code_cache_root() / name)

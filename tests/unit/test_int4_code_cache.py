@@ -1,0 +1,132 @@
+"""The int4 codes a CPU host rounds a checkpoint's weights into, kept on disk (hearth/inference/int4_code_cache.py):
+loading the same layers again reads the codes instead of the weights and holds the very same buffers; a rewritten
+weight file, another scheme or dtype is rounded again; a damaged or foreign cache file is rounded again and replaced;
+a cache that cannot be written, or a disk near full, only costs the rounding; old entries are pruned."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hearth.inference import int4_code_cache, load_layer_range
+from hearth.inference.int4_code_cache import int4_code_cache_root
+from hearth.inference.quantization import QuantizedLinear
+from tests.runner_limits import RUNNER_KV_LIMITS
+
+from .inference_tiny_models import write_tiny_model
+
+LAYERS = (1, 3)
+LINEARS_PER_LAYER = 7  # q, k, v, o; gate, up, down
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    return write_tiny_model(tmp_path / "model", "llama")
+
+
+def load(path: Path, quantization: str = "int4/g32", **options):
+    return load_layer_range(path, *LAYERS, quantization=quantization, **RUNNER_KV_LIMITS, **options)
+
+
+def held_buffers(runner) -> dict[str, torch.Tensor]:
+    return {f"{index}.{name}": tensor for index in range(LAYERS[0], LAYERS[1] + 1)
+            for name, tensor in runner._stack.layers[index].named_buffers()}
+
+
+def assert_same_buffers(first, second) -> None:
+    ours, theirs = held_buffers(first), held_buffers(second)
+    assert ours.keys() == theirs.keys() and ours
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def cached_files(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "int4-codes").glob("*/*.safetensors"))
+
+
+def test_a_second_load_reads_the_codes_not_the_weights_and_holds_the_same_buffers(model, cache_dir):
+    rounded = load(model)
+    files = cached_files(cache_dir)
+    assert len(files) == LINEARS_PER_LAYER * (LAYERS[1] - LAYERS[0] + 1)
+    cached = load(model)
+    # Only the norms are read from the checkpoint the second time: every Linear's weight comes from the cache.
+    assert cached.checkpoint_bytes_read < rounded.checkpoint_bytes_read / 20
+    assert set(cached.loaded_tensor_names) == set(rounded.loaded_tensor_names)
+    assert_same_buffers(rounded, cached)
+    assert all(isinstance(cached._stack.layers[index].mlp.down_proj, QuantizedLinear)
+               for index in range(LAYERS[0], LAYERS[1] + 1))
+    # Another group size or dtype is another rounding: read and rounded again, in its own entry.
+    for options in ({"quantization": "int4/g64"}, {"dtype": "bfloat16"}):
+        other = load(model, **options)
+        assert other.checkpoint_bytes_read > rounded.checkpoint_bytes_read / 2, options
+    assert len({file.parent for file in cached_files(cache_dir)}) == 3
+
+
+def test_a_rewritten_weight_file_is_rounded_again(model, cache_dir):
+    first = load(model)
+    weights = model / "model.safetensors"
+    tensors = load_file(weights)
+    name = f"model.layers.{LAYERS[0]}.mlp.up_proj.weight"
+    tensors[name] = -tensors[name]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    second = load(model)
+    assert second.checkpoint_bytes_read == first.checkpoint_bytes_read
+    changed = f"{LAYERS[0]}.mlp.up_proj.scales_and_zeros"
+    assert not torch.equal(held_buffers(first)[changed], held_buffers(second)[changed])
+    assert_same_buffers(second, load(model))  # the new codes are the ones cached now
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign", "other_shape"])
+def test_a_damaged_or_foreign_cache_file_is_rounded_again_and_replaced(model, cache_dir, damage):
+    first = load(model)
+    victim = cached_files(cache_dir)[0]
+    if damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[:100])
+    elif damage == "foreign":
+        victim.write_bytes(b"not a safetensors file at all")
+    else:
+        save_file({"paired_codes": torch.zeros(16, 16, dtype=torch.uint8),
+                   "scales_and_zeros": torch.zeros(1, 16, 2, dtype=torch.bfloat16)}, victim)
+    second = load(model)
+    assert second.checkpoint_bytes_read > first.checkpoint_bytes_read / 20  # that one weight read again
+    assert_same_buffers(first, second)
+    assert load(model).checkpoint_bytes_read < first.checkpoint_bytes_read / 20  # and cached again
+
+
+def test_a_cache_that_cannot_be_written_or_a_disk_near_full_only_costs_the_rounding(model, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(blocker / "cache"))
+    unwritable = load(model)
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(int4_code_cache, "INT4_CODE_CACHE_MIN_FREE_BYTES", 1 << 60)
+    near_full = load(model)
+    assert cached_files(tmp_path / "cache") == []
+    assert_same_buffers(unwritable, near_full)
+    monkeypatch.setattr(int4_code_cache, "INT4_CODE_CACHE_MIN_FREE_BYTES", 0)
+    load(model)
+    assert cached_files(tmp_path / "cache")
+
+
+def entry_of(model: Path) -> Path:
+    return int4_code_cache.int4_code_cache(model / "model.safetensors", torch.float32, "int4/g32").folder
+
+
+def test_the_least_recently_used_entries_beyond_the_limit_are_pruned(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setattr(int4_code_cache, "INT4_CODE_CACHE_MAX_ENTRIES", 2)
+    models = [write_tiny_model(tmp_path / f"model-{seed}", "llama", seed=seed) for seed in (11, 12, 13)]
+    load(models[0])
+    load(models[1])
+    load(models[0])  # read from its entry: now the more recently used
+    assert {entry_of(models[0]), entry_of(models[1])} == set(int4_code_cache_root().iterdir())
+    load(models[2])
+    assert set(int4_code_cache_root().iterdir()) == {entry_of(models[0]), entry_of(models[2])}
