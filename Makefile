@@ -42,9 +42,10 @@ $(PROMTOOL):
 		|| echo "make tools: could not fetch Debian's prometheus package; the tests that need it will skip"
 	rm -rf $(PROMETHEUS_DIR).download
 
-# Two pytest workers, each given whole test files: most of the suite waits on processes and the broker, so two
-# share two cores well (README, "Tests"). TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= 2
+# Three pytest workers, each given whole test files: most of the suite waits on processes and the broker, so three
+# fill two cores better than two do (README, "Tests"; BENCHMARKS.md "The test suite"). TEST_WORKERS=0 runs it in one
+# process.
+TEST_WORKERS ?= 3
 
 # --durations: CI's log then says where the suite's minutes go (it must stay well under 20).
 test: $(STAMP) $(DEMO_MODEL_STAMP)
