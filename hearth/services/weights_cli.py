@@ -139,16 +139,21 @@ def remove_command(
     insecure: InsecureOption = False,
 ) -> None:
     """Remove a stored model: its manifest first (no host starts fetching it afterwards), then every object stored
-    under its name, an interrupted publication's too. Hosts serving it from their cache go on. On a community mesh
-    only the steward's `system` key may."""
+    under its name, an interrupted publication's too, but a publication's under way (objects stored within a day that
+    no manifest names yet: it ends publishing the name again). Hosts serving it from their cache go on. On a
+    community mesh only the steward's `system` key may."""
     from hearth.services.broker.weights_bucket import shown_size
     from hearth.services.weights_publish import remove_model
     from hearth.services.weights_store import STORE_MODEL_PREFIX
 
     name = name.removeprefix(STORE_MODEL_PREFIX)  # the name checked where it is removed
     use_credentials(ctx, "hearth weights remove", creds, insecure)
-    objects, size = _run(ctx, "remove", nats_url, lambda js: remove_model(js, name))
-    typer.echo(f"removed {name}: {objects} objects, {shown_size(size)} freed")
+    removed = _run(ctx, "remove", nats_url, lambda js: remove_model(js, name))
+    typer.echo(f"removed {name}: {removed.objects} objects, {shown_size(removed.size)} freed")
+    if removed.left_under_way:
+        typer.echo(f"left {removed.left_under_way} objects of a publication of {name} under way (stored within the "
+                   "last day, named by no manifest yet): when it ends, the store holds that publication; if it was "
+                   "stopped, the next publication of the name removes them once a day old")
 
 
 @weights_app.command("fetch")

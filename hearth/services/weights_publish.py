@@ -9,7 +9,8 @@ import asyncio
 import hashlib
 import logging
 import re
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of, partial_source
@@ -247,12 +248,25 @@ async def _discard_publication(js, keys: set[str]) -> None:
                     "of its name removes them a day on", len(keys), f"{type(error).__name__}: {error}")
 
 
-async def remove_model(js, name: str) -> tuple[int, int]:
+@dataclass(frozen=True)
+class RemovedModel:
+    """What `remove_model` removed: objects and their bytes, and the objects it left to a publication under way."""
+
+    objects: int
+    size: int
+    left_under_way: int
+
+
+async def remove_model(js, name: str) -> RemovedModel:
     """Remove stored model `name`: its manifest first (no host starts fetching it afterwards), then every object
-    stored under its name (an interrupted publication's too), leaving nothing of them in the bucket; the objects
-    removed and their bytes. WeightsStoreError when the store holds nothing under that name. Hosts serving it
-    from their cache go on; a republish of the name meanwhile may name objects removed here (fetching it then
-    says which is missing)."""
+    stored under its name (an interrupted publication's too, a tombstone too), leaving nothing of them in the bucket,
+    but the objects of a publication under way: those of a version no manifest names whose publication stored one
+    within ABANDONED_PUBLICATION_AGE_S. Removing them would leave the manifest it switches to naming objects that are
+    gone; it ends publishing the name again, or the next publication of the name removes them once they are that
+    old. WeightsStoreError when the store holds nothing under that name, or only a publication under way. Hosts
+    serving the model from their cache go on."""
+    from datetime import timezone
+
     from nats.js.errors import NotFoundError
 
     check_model_name(name)
@@ -264,11 +278,41 @@ async def remove_model(js, name: str) -> tuple[int, int]:
     present = [info for info in infos if not info.deleted]
     if not present:
         raise WeightsStoreError(f"no model {name!r} in the community's store (`hearth weights list`)")
+    try:
+        named_version = (await read_manifest(js, name)).objects_version
+    except WeightsStoreError:  # none, or unreadable: every version is judged by its age
+        named_version = None
+    # Ages against this host's clock: a publication under way stored an object minutes ago, a day is the bound.
+    under_way = await _publications_under_way(js, name, [info.name for info in present], named_version,
+                                              datetime.now(timezone.utc))
+    if len(under_way) == len(present):
+        raise WeightsStoreError(f"{name!r} is being published (its {len(present)} objects were stored within "
+                                f"{ABANDONED_PUBLICATION_AGE_S // 3600} h and no manifest names them yet): remove it "
+                                "once that publication ends")
     manifest_key = object_key(name, MANIFEST_OBJECT)
-    for info in sorted(infos, key=lambda info: (info.name != manifest_key, info.name)):
+    removed = [info for info in infos if info.name not in under_way]
+    for info in sorted(removed, key=lambda info: (info.name != manifest_key, info.name)):
         await purge_object(js, info.name)  # a deleted object's tombstone too
-    log.info("removed %s: %d objects", name, len(present))
-    return len(present), sum(info.size or 0 for info in present)
+    gone = [info for info in removed if not info.deleted]
+    log.info("removed %s: %d objects (%d left to a publication under way)", name, len(gone), len(under_way))
+    return RemovedModel(len(gone), sum(info.size or 0 for info in gone), len(under_way))
+
+
+async def _publications_under_way(js, name: str, keys: list[str], named_version: str | None,
+                                  now: datetime) -> set[str]:
+    """The keys among `keys` of publications of `name` that no manifest names (not `named_version`'s) and that
+    stored an object, by the server's clock, within ABANDONED_PUBLICATION_AGE_S before `now`."""
+    publications: dict[str, list[str]] = {}
+    for key in keys:  # NAME/VERSION/FILE; NAME/FILE is the manifest, or stored before publications had versions
+        prefix = key.rsplit("/", 1)[0]
+        if prefix not in (name, f"{name}/{named_version}"):
+            publications.setdefault(prefix, []).append(key)
+    under_way: set[str] = set()
+    for publication_keys in publications.values():
+        stored = [(await stored_meta(js, key)).stored_at for key in publication_keys]
+        if any(at is not None and (now - at).total_seconds() < ABANDONED_PUBLICATION_AGE_S for at in stored):
+            under_way.update(publication_keys)
+    return under_way
 
 
 async def _switch_manifest(js, name: str, manifest: WeightsManifest) -> WeightsManifest | None:
