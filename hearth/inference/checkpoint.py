@@ -283,9 +283,9 @@ class SafetensorsCheckpoint:
         """The file holding each tensor, by name."""
         return dict(self._file_of)
 
-    def file_holding(self, name: str) -> Path:
-        """The file that holds tensor `name`."""
-        return self._file_of[name]
+    def file_holding(self, name: str) -> Path | None:
+        """The file that holds tensor `name` (None: none does)."""
+        return self._file_of.get(name)
 
     def names(self) -> set[str]:
         """Every tensor name in the checkpoint."""

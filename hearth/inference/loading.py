@@ -136,7 +136,8 @@ class _Skeleton:
         for parent, child_name, linear in dense_linears(layer):
             if linear not in held:
                 weight_name = self.name_of(linear) + ".weight"
-                cache = int4_code_cache(self.checkpoint.file_holding(weight_name), self.info.dtype, scheme.label)
+                weight_file = self.checkpoint.file_holding(weight_name)  # None: materialize names it missing
+                cache = None if weight_file is None else int4_code_cache(weight_file, self.info.dtype, scheme.label)
                 rounded.append(_RoundedOnCPU(parent, child_name, linear, weight_name, cache))
         return rounded
 

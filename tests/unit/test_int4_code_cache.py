@@ -130,3 +130,14 @@ def test_the_least_recently_used_entries_beyond_the_limit_are_pruned(tmp_path, c
     assert {entry_of(models[0]), entry_of(models[1])} == set(int4_code_cache_root().iterdir())
     load(models[2])
     assert set(int4_code_cache_root().iterdir()) == {entry_of(models[0]), entry_of(models[2])}
+
+
+def test_a_weight_missing_from_the_checkpoint_is_still_named_in_one_line(model, cache_dir):
+    from hearth.inference.errors import CheckpointError
+
+    weights = model / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors[f"model.layers.{LAYERS[0]}.mlp.up_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"model.layers.{LAYERS[0]}.mlp.up_proj.weight is missing"):
+        load(model)
