@@ -86,10 +86,12 @@ class Int4CodeCache:
             os.close(descriptor)
             save_file(tensors, staging)
             os.replace(staging, self._file(weight_name))
-        except CACHE_ERRORS:
+        except BaseException as error:  # a failed write, or Ctrl-C while loading: no staging file left behind
             if staging is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(staging)
+            if not isinstance(error, CACHE_ERRORS):
+                raise
 
     def _file(self, weight_name: str) -> Path:
         return self.folder / f"{weight_name}.safetensors"

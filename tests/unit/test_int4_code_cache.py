@@ -141,3 +141,14 @@ def test_a_weight_missing_from_the_checkpoint_is_still_named_in_one_line(model, 
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"model.layers.{LAYERS[0]}.mlp.up_proj.weight is missing"):
         load(model)
+
+
+def test_a_load_stopped_while_it_writes_codes_leaves_no_staging_file(model, cache_dir, monkeypatch):
+    def stopped_midway(tensors, path):
+        Path(path).write_bytes(b"half a file")
+        raise KeyboardInterrupt  # Ctrl-C
+
+    monkeypatch.setattr(int4_code_cache, "save_file", stopped_midway)
+    with pytest.raises(KeyboardInterrupt):
+        load(model)
+    assert [file for file in cache_dir.rglob("*") if file.is_file()] == []
