@@ -36,6 +36,9 @@ class ModelsReply(BaseModel):
 
     models: list[ServedModel]
     default_model: str | None = None
+    # The answering orchestrator's clock (Unix time, s), which a caller's signed calls are dated against ([events]
+    # max_clock_skew_s): `hearth doctor` checks a caller's clock with it. None from an orchestrator before it.
+    orchestrator_time_s: float | None = Field(default=None, allow_inf_nan=False)
 
 
 DISCOVERY_MESSAGES = (ModelsRequest, ModelsReply)

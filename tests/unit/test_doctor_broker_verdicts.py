@@ -1,5 +1,6 @@
 """`hearth doctor`'s broker checks judged on what a stand-in connection answers: this clock against the broker's
-(ok, warned of, failed beyond [events] max_clock_skew_s, skipped for a caller), the event streams a role waits for,
+(ok, warned of, failed beyond [events] max_clock_skew_s; a caller's against the orchestrator that answers it, skipped
+where none says its time), the event streams a role waits for,
 whether an orchestrator answers, and the skip lines each role gets when there is no login."""
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from nats.js.errors import NotFoundError
 
 from hearth.protocol.discovery import ModelsReply, ServedModel
 from hearth.services.doctor.broker_checks import (
+    ask_orchestrators,
     clock_check,
-    orchestrators_check,
     shown_url,
     skipped_broker_checks,
     streams_check,
@@ -78,6 +79,29 @@ async def test_a_caller_that_may_read_no_stream_is_skipped_saying_whose_clock_ju
     assert check.verdict == "skip" and "orchestrator's clock" in check.detail
 
 
+def models_answer(orchestrator_ahead_s: float | None) -> bytes:
+    """An orchestrator's `llm.models` answer, its clock `orchestrator_ahead_s` after this one (None: unsaid)."""
+    stamp = None if orchestrator_ahead_s is None else time.time() + orchestrator_ahead_s
+    reply = ModelsReply(models=[ServedModel(id="tiny", total_layers=6, complete=True)], default_model="tiny",
+                        orchestrator_time_s=stamp)
+    return reply.model_dump_json().encode()
+
+
+@pytest.mark.parametrize("orchestrator_ahead_s,verdict", [(0.0, "ok"), (20.0, "warn"), (-300.0, "fail"),
+                                                           (None, "skip")])
+async def test_a_callers_clock_is_judged_against_the_orchestrator_that_answers_it(orchestrator_ahead_s, verdict):
+    connection = StandInConnection(models_answer(orchestrator_ahead_s))
+    answer = await ask_orchestrators(connection)
+    assert answer.check.verdict == "ok" and connection.asked == ["llm.models"]
+    check = await clock_check(connection, None, MAX_SKEW_S, orchestrator_offset_s=answer.offset_s)
+    assert check.verdict == verdict, check
+    if verdict == "fail":
+        assert "about 300 s ahead of an orchestrator's clock" in check.detail and "calls are refused" in check.detail
+    if verdict == "ok":
+        assert "of an orchestrator's" in check.detail
+    assert connection.asked == ["llm.models"]  # the broker is asked nothing more
+
+
 async def test_the_streams_a_role_waits_for_must_exist():
     connection = StandInConnection(streams={"HEARTH_SHARDS"})
     assert (await streams_check(connection, ("HEARTH_SHARDS",), "nats://hub:4222")).verdict == "ok"
@@ -88,11 +112,10 @@ async def test_the_streams_a_role_waits_for_must_exist():
 
 
 async def test_whether_an_orchestrator_answers():
-    nobody = await orchestrators_check(StandInConnection(NoRespondersError()))
-    assert nobody.verdict == "warn" and "hearth orchestrator" in nobody.fix
-    reply = ModelsReply(models=[ServedModel(id="tiny", total_layers=6, complete=True)], default_model="tiny")
-    served = await orchestrators_check(StandInConnection(reply.model_dump_json().encode()))
-    assert served.verdict == "ok" and "tiny" in served.detail
+    nobody = await ask_orchestrators(StandInConnection(NoRespondersError()))
+    assert nobody.check.verdict == "warn" and "hearth orchestrator" in nobody.check.fix and nobody.offset_s is None
+    served = await ask_orchestrators(StandInConnection(models_answer(None)))
+    assert served.check.verdict == "ok" and "tiny" in served.check.detail
 
 
 def test_each_role_says_which_broker_checks_it_skipped():

@@ -1,11 +1,13 @@
 """The checks of `hearth doctor` that need the broker, each wait bounded: a login as the member (reached, and its key
-admitted), the event streams its role waits for, its clock against the broker's, a `store:NAME` model's manifest, and
-for a caller whether an orchestrator answers. When the broker cannot be reached, each says it was skipped."""
+admitted), the event streams its role waits for, its clock against the broker's (a caller's against the orchestrator
+that answers it), a `store:NAME` model's manifest, and for a caller whether an orchestrator answers. When the broker
+cannot be reached, each says it was skipped."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass
 
 from nats.errors import NoRespondersError
@@ -110,16 +112,19 @@ async def _logged_in_checks(nc, settings: HearthSettings, role: DoctorRole, memb
     streams = STREAMS_READ[role]
     if streams:
         checks.append(await streams_check(nc, streams, url))
-    # A member whose role reads no stream (a caller) may ask the broker nothing that carries its time; on an open
-    # broker anyone may read any stream.
+    orchestrators = await ask_orchestrators(nc) if role in CALLER_DOCTOR_ROLES else None
+    # A member whose role reads no stream (a caller) may ask the broker nothing that carries its time, but an
+    # orchestrator's answer does, the clock its calls are checked against; on an open broker anyone may read any
+    # stream.
     clock_stream = streams[0] if streams else (SHARDS_STREAM if open_broker else None)
-    checks.append(await clock_check(nc, clock_stream, settings.events.max_clock_skew_s))
+    checks.append(await clock_check(nc, clock_stream, settings.events.max_clock_skew_s,
+                                    orchestrator_offset_s=orchestrators and orchestrators.offset_s))
     manifest = None
     if store_model is not None:
         found, manifest = await store_model_check(nc, store_model)
         checks.append(found)
-    if role in CALLER_DOCTOR_ROLES:
-        checks.append(await orchestrators_check(nc))
+    if orchestrators is not None:
+        checks.append(orchestrators.check)
     return BrokerFindings(checks, manifest)
 
 
@@ -143,13 +148,18 @@ async def streams_check(nc, streams: tuple[str, ...], url: str) -> CheckResult:
     return ok("streams", f"{', '.join(streams)} exist")
 
 
-async def clock_check(nc, stream: str | None, max_clock_skew_s: float) -> CheckResult:
+async def clock_check(nc, stream: str | None, max_clock_skew_s: float, *,
+                      orchestrator_offset_s: float | None = None) -> CheckResult:
     """This machine's clock against the broker's (its time in `stream`'s info), judged by [events] max_clock_skew_s;
-    skipped where the member may read no stream."""
+    where the member may read no stream (a caller), against the orchestrator's that answered it
+    (`orchestrator_offset_s`: this clock less that one, ask_orchestrators), else skipped."""
     if stream is None:
-        return skip("clock", "a caller may read no broker time (no stream, no $SYS subject): its calls are checked "
-                             f"against an orchestrator's clock, within {max_clock_skew_s:g} s ([events] "
-                             "max_clock_skew_s); keep this machine's clock set by NTP")
+        if orchestrator_offset_s is not None:
+            return _clock_verdict(orchestrator_offset_s, max_clock_skew_s, "an orchestrator's", "calls")
+        return skip("clock", "a caller may read no broker time (no stream, no $SYS subject) and no orchestrator "
+                             "answered with its own: its calls are checked against an orchestrator's clock, within "
+                             f"{max_clock_skew_s:g} s ([events] max_clock_skew_s); keep this machine's clock set by "
+                             "NTP")
     try:
         offset_s = await broker_clock_offset_s(nc, stream, timeout_s=doctor_request_s)
     except (NatsTimeoutError, asyncio.TimeoutError, NoRespondersError):
@@ -157,13 +167,19 @@ async def clock_check(nc, stream: str | None, max_clock_skew_s: float) -> CheckR
     if offset_s is None or not math.isfinite(offset_s):
         return warn("clock", f"the broker did not say its time in {stream}'s info (a nats-server before 2.10, or no "
                              "such stream)")
-    skew = skew_in_words(offset_s, "the broker's clock")
+    return _clock_verdict(offset_s, max_clock_skew_s, "the broker's", "events, calls or opens")
+
+
+def _clock_verdict(offset_s: float, max_clock_skew_s: float, whose: str, refused: str) -> CheckResult:
+    """`offset_s` (this clock less `whose` clock) judged by [events] max_clock_skew_s: beyond it this machine's
+    `refused` are refused."""
+    skew = skew_in_words(offset_s, f"{whose} clock")
     said = f"{skew} (at most {max_clock_skew_s:g} s allowed: [events] max_clock_skew_s)"
     if abs(offset_s) > max_clock_skew_s:
-        return fail("clock", f"this machine's clock is {said}: its events, calls or opens are refused", CLOCK_FIX)
+        return fail("clock", f"this machine's clock is {said}: its {refused} are refused", CLOCK_FIX)
     if abs(offset_s) > clock_warn_share * max_clock_skew_s:
         return warn("clock", f"this machine's clock is {said}", CLOCK_FIX)
-    return ok("clock", f"within {abs(offset_s):.1f} s of the broker's (at most {max_clock_skew_s:g} s allowed)")
+    return ok("clock", f"within {abs(offset_s):.1f} s of {whose} (at most {max_clock_skew_s:g} s allowed)")
 
 
 async def store_model_check(nc, name: str) -> tuple[CheckResult, object | None]:
@@ -181,19 +197,33 @@ async def store_model_check(nc, name: str) -> tuple[CheckResult, object | None]:
     return ok("model", f"store:{name}: {manifest.num_layers} layers in the community's store"), manifest
 
 
-async def orchestrators_check(nc) -> CheckResult:
-    """Whether an orchestrator answers `llm.models`, and what it serves (as `hearth models` asks)."""
+@dataclass(frozen=True)
+class OrchestratorsAnswer:
+    """What asking `llm.models` found: the orchestrators check, and this clock less the answering orchestrator's
+    (None: no answer, or one from an orchestrator that does not say its time)."""
+
+    check: CheckResult
+    offset_s: float | None = None
+
+
+async def ask_orchestrators(nc) -> OrchestratorsAnswer:
+    """Whether an orchestrator answers `llm.models`, and what it serves (as `hearth models` asks), with its clock."""
     from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
     from hearth.services.client.chat import ModelsRefused, list_models
 
     try:
+        before = time.time()
         reply = await list_models(nc, doctor_request_s)
+        after = time.time()
     except NoRespondersError:
-        return warn("orchestrators", f"none is listening on {MODELS_REQUEST_SUBJECT}: calls are refused until one "
-                                     "runs", "start one: hearth orchestrator --creds KEY")
+        return OrchestratorsAnswer(warn("orchestrators", f"none is listening on {MODELS_REQUEST_SUBJECT}: calls are "
+                                                         "refused until one runs",
+                                        "start one: hearth orchestrator --creds KEY"))
     except (NatsTimeoutError, asyncio.TimeoutError):
-        return warn("orchestrators", f"none answered {MODELS_REQUEST_SUBJECT} within {doctor_request_s:g} s")
+        return OrchestratorsAnswer(warn("orchestrators",
+                                        f"none answered {MODELS_REQUEST_SUBJECT} within {doctor_request_s:g} s"))
     except ModelsRefused as refused:
-        return warn("orchestrators", f"the orchestrator refused: {refused}")
+        return OrchestratorsAnswer(warn("orchestrators", f"the orchestrator refused: {refused}"))
     served = ", ".join(model.id for model in reply.models) or "none yet"
-    return ok("orchestrators", f"an orchestrator answers; models served: {served}")
+    offset_s = None if reply.orchestrator_time_s is None else (before + after) / 2 - reply.orchestrator_time_s
+    return OrchestratorsAnswer(ok("orchestrators", f"an orchestrator answers; models served: {served}"), offset_s)

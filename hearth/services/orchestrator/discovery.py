@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 
 from hearth.readmodels.queries import ShardCandidate
@@ -99,4 +100,5 @@ async def describe_models(router: ShardRouter, catalog: ModelCatalog) -> ModelsR
             log.debug("model %s is not on this orchestrator's disk; its context length is unknown", model_id)
         described.append(models[model_id].model_copy(update={"context_length": length}))
     servable = [m.id for m in described if m.complete or m.runnable_locally]
-    return ModelsReply(models=described, default_model=servable[0] if len(servable) == 1 else None)
+    return ModelsReply(models=described, default_model=servable[0] if len(servable) == 1 else None,
+                       orchestrator_time_s=time.time())
