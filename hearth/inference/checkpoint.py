@@ -283,9 +283,9 @@ class SafetensorsCheckpoint:
         """The file holding each tensor, by name."""
         return dict(self._file_of)
 
-    def file_holding(self, name: str) -> Path | None:
-        """The file that holds tensor `name` (None: none does)."""
-        return self._file_of.get(name)
+    def weight_files(self) -> list[Path]:
+        """The files holding the checkpoint's tensors, in name order."""
+        return sorted(set(self._file_of.values()))
 
     def names(self) -> set[str]:
         """Every tensor name in the checkpoint."""

@@ -190,9 +190,9 @@ class GGUFCheckpoint:
         """Every HF tensor name the GGUF holds."""
         return set(self._tensor_of)
 
-    def file_holding(self, name: str) -> Path | None:
-        """The file that holds tensor `name`: the GGUF (None: it holds no such tensor)."""
-        return self.path if name in self._tensor_of else None
+    def weight_files(self) -> list[Path]:
+        """The files holding the checkpoint's tensors: the GGUF."""
+        return [self.path]
 
     def stored_quantized(self, name: str) -> bool:
         """Whether the tensor is stored in a quantized block type (not F32/F16/BF16/F64)."""

@@ -2,14 +2,14 @@
 group's range searched, which takes longer than reading the weight), so a host loading the same layers again reads
 each weight's codes instead of reading it whole and rounding it again (BENCHMARKS.md, "Quantized shards: quality").
 
-An entry is $HEARTH_CACHE_DIR (default ~/.cache/hearth)/int4-codes/<entry name>, one per weight file, dtype the
-weights are read in and scheme, its name a digest of those (the file by its resolved path and file_version) and of what
-decides the codes (this cache's format, int4's range steps, torch's version): a changed weight file, another rounding
-or another torch make another entry, and the least recently used entries beyond INT4_CODE_CACHE_MAX_ENTRIES are
-pruned. Each weight's codes are one safetensors file of its entry, written to a temporary name and renamed into place
-(processes loading together never read a torn one); none is written where it would leave less than
-INT4_CODE_CACHE_MIN_FREE_BYTES of the disk free. A cache that cannot be read or written only costs the rounding, and a
-file that does not hold codes of the weight's shape and group size is taken for missing.
+An entry is $HEARTH_CACHE_DIR (default ~/.cache/hearth)/int4-codes/<entry name>, one per checkpoint, dtype the
+weights are read in and scheme, its name a digest of those (the checkpoint by its weight files' resolved paths and
+file_versions) and of what decides the codes (this cache's format, int4's range steps, torch's version): a changed
+weight file, another rounding or another torch make another entry, and the least recently used entries beyond
+INT4_CODE_CACHE_MAX_ENTRIES are pruned. Each weight's codes are one safetensors file of its entry, written to a
+temporary name and renamed into place (processes loading together never read a torn one); none is written where it
+would leave less than INT4_CODE_CACHE_MIN_FREE_BYTES of the disk free. A cache that cannot be read or written only
+costs the rounding, and a file that does not hold codes of the weight's shape and group size is taken for missing.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ INT4_CODE_CACHE_DIR_NAME = "int4-codes"
 # Part of every entry's name: bumped whenever what an entry holds changes shape, or int4_grouped_codes rounds
 # otherwise (as the mesh protocol is).
 INT4_CODE_CACHE_FORMAT = 1
-# Entries kept, each the codes of one weight file's layers a host loaded (under int4/g32 about a sixth of their
+# Entries kept, each the codes of the layers of one checkpoint a host loaded (under int4/g32 about a sixth of their
 # float32 bytes).
 INT4_CODE_CACHE_MAX_ENTRIES = 8
 # The disk space a write leaves free at least: the cache gives way to what the host keeps there.
@@ -53,7 +54,7 @@ def int4_code_cache_root() -> Path:
 
 @dataclass(frozen=True)
 class Int4CodeCache:
-    """The cached codes of one weight file's weights, read in one dtype and rounded under one int4 scheme."""
+    """The cached codes of one checkpoint's weights, read in one dtype and rounded under one int4 scheme."""
 
     folder: Path
 
@@ -103,17 +104,16 @@ class Int4CodeCache:
         prune_entries(self.folder.parent, keep=self.folder, max_entries=INT4_CODE_CACHE_MAX_ENTRIES)
 
 
-def int4_code_cache(weight_file: Path, dtype: torch.dtype, scheme_label: str) -> Int4CodeCache | None:
-    """The cache of the codes of `weight_file`'s weights as it is now, read in `dtype` and rounded under
-    `scheme_label`; None when the file cannot be looked at."""
+def int4_code_cache(weight_files: Iterable[Path], dtype: torch.dtype, scheme_label: str) -> Int4CodeCache | None:
+    """The cache of the codes of a checkpoint's weights, held in `weight_files` as they are now, read in `dtype` and
+    rounded under `scheme_label`; None when a file cannot be looked at."""
     try:
-        path = Path(weight_file).resolve()
-        version = file_version(path.stat())
+        files = [(path, *file_version(path.stat())) for path in sorted(Path(file).resolve() for file in weight_files)]
     except OSError:
         return None
     # The rounding's settings read as they are now: a scratch copy that changes them gets entries of its own.
     rounding = (weight_codes.INT4_RANGE_STEPS, weight_codes.INT4_RANGE_STEP)
-    text = "\0".join(map(str, (INT4_CODE_CACHE_FORMAT, torch.__version__, *rounding, path, *version, dtype,
-                               scheme_label)))
+    text = "\0".join(map(str, (INT4_CODE_CACHE_FORMAT, torch.__version__, *rounding, dtype, scheme_label,
+                               *(part for file in files for part in file))))
     name = hashlib.sha256(text.encode()).hexdigest()[:ENTRY_NAME_HEX_CHARS]
     return Int4CodeCache(int4_code_cache_root() / name)

@@ -85,6 +85,8 @@ class _Skeleton:
     module_names: dict[int, str]
     device: torch.device
     weights_from_code_cache: int = 0
+    # The int4 code cache of the checkpoint by scheme label (rounded_on_cpu; None: none can be used).
+    code_caches: dict[str, Int4CodeCache | None] = field(default_factory=dict)
     # Linears held otherwise than the scheme rounds them (held_otherwise), by the label of what they are held in.
     held_otherwise_labels: Counter[str] = field(default_factory=Counter)
 
@@ -128,18 +130,16 @@ class _Skeleton:
     def rounded_on_cpu(self, layer: nn.Module, scheme: QuantizationScheme,
                        held_otherwise: list[_HeldOtherwise]) -> list[_RoundedOnCPU]:
         """The Linears of ``layer`` whose float weights int4 rounds on the CPU (none under another scheme or device),
-        each with the cache of its weight file's codes (hearth/inference/int4_code_cache.py)."""
+        each with the cache of the checkpoint's codes (hearth/inference/int4_code_cache.py)."""
         if scheme.kind != "int4" or self.device.type != "cpu":
             return []
+        if scheme.label not in self.code_caches:
+            self.code_caches[scheme.label] = int4_code_cache(self.checkpoint.weight_files(), self.info.dtype,
+                                                             scheme.label)
         held = {one.linear for one in held_otherwise}
-        rounded = []
-        for parent, child_name, linear in dense_linears(layer):
-            if linear not in held:
-                weight_name = self.name_of(linear) + ".weight"
-                weight_file = self.checkpoint.file_holding(weight_name)  # None: materialize names it missing
-                cache = None if weight_file is None else int4_code_cache(weight_file, self.info.dtype, scheme.label)
-                rounded.append(_RoundedOnCPU(parent, child_name, linear, weight_name, cache))
-        return rounded
+        return [_RoundedOnCPU(parent, child_name, linear, self.name_of(linear) + ".weight",
+                              self.code_caches[scheme.label])
+                for parent, child_name, linear in dense_linears(layer) if linear not in held]
 
     def materialize_layer(self, layer: nn.Module, scheme: QuantizationScheme) -> list[str]:
         """Materialize ``layer``, its Linears held otherwise than ``scheme`` rounds them (held_otherwise) already in

@@ -1,7 +1,8 @@
 """The int4 codes a CPU host rounds a checkpoint's weights into, kept on disk (hearth/inference/int4_code_cache.py):
-loading the same layers again reads the codes instead of the weights and holds the very same buffers; a rewritten
-weight file, another scheme or dtype is rounded again; a damaged or foreign cache file is rounded again and replaced;
-a cache that cannot be written, or a disk near full, only costs the rounding; old entries are pruned."""
+loading the same layers again reads the codes instead of the weights and holds the very same buffers, a checkpoint of
+many weight files in one entry; a rewritten weight file, another scheme or dtype is rounded again; a damaged or
+foreign cache file is rounded again and replaced; a cache that cannot be written, or a disk near full, only costs the
+rounding; old entries are pruned."""
 
 from __future__ import annotations
 
@@ -71,6 +72,17 @@ def test_a_second_load_reads_the_codes_not_the_weights_and_holds_the_same_buffer
     assert len({file.parent for file in cached_files(cache_dir)}) == 3
 
 
+def test_a_checkpoint_of_many_weight_files_is_one_entry(tmp_path, cache_dir, monkeypatch):
+    # More files than entries kept: an entry per file would prune the first files' codes while loading the last's.
+    monkeypatch.setattr(int4_code_cache, "INT4_CODE_CACHE_MAX_ENTRIES", 2)
+    sharded = write_tiny_model(tmp_path / "sharded", "llama", max_shard_size="100KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    rounded, cached = load(sharded), load(sharded)
+    assert cached.checkpoint_bytes_read < rounded.checkpoint_bytes_read / 20
+    assert_same_buffers(rounded, cached)
+    assert list(int4_code_cache_root().iterdir()) == [entry_of(sharded)]
+
+
 def test_a_rewritten_weight_file_is_rounded_again(model, cache_dir):
     first = load(model)
     weights = model / "model.safetensors"
@@ -118,7 +130,7 @@ def test_a_cache_that_cannot_be_written_or_a_disk_near_full_only_costs_the_round
 
 
 def entry_of(model: Path) -> Path:
-    return int4_code_cache.int4_code_cache(model / "model.safetensors", torch.float32, "int4/g32").folder
+    return int4_code_cache.int4_code_cache(model.glob("*.safetensors"), torch.float32, "int4/g32").folder
 
 
 def test_the_least_recently_used_entries_beyond_the_limit_are_pruned(tmp_path, cache_dir, monkeypatch):
