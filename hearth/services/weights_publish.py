@@ -10,7 +10,7 @@ import hashlib
 import logging
 import re
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of, partial_source
@@ -265,8 +265,6 @@ async def remove_model(js, name: str) -> RemovedModel:
     gone; it ends publishing the name again, or the next publication of the name removes them once they are that
     old. WeightsStoreError when the store holds nothing under that name, or only a publication under way. Hosts
     serving the model from their cache go on."""
-    from datetime import timezone
-
     from nats.js.errors import NotFoundError
 
     check_model_name(name)

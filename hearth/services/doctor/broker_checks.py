@@ -118,7 +118,7 @@ async def _logged_in_checks(nc, settings: HearthSettings, role: DoctorRole, memb
     # stream.
     clock_stream = streams[0] if streams else (SHARDS_STREAM if open_broker else None)
     checks.append(await clock_check(nc, clock_stream, settings.events.max_clock_skew_s,
-                                    orchestrator_offset_s=orchestrators and orchestrators.offset_s))
+                                    orchestrator_offset_s=None if orchestrators is None else orchestrators.offset_s))
     manifest = None
     if store_model is not None:
         found, manifest = await store_model_check(nc, store_model)
