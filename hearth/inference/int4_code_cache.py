@@ -4,11 +4,13 @@ each weight's codes instead of reading it whole and rounding it again (BENCHMARK
 
 An entry is $HEARTH_CACHE_DIR (default ~/.cache/hearth)/int4-codes/<entry name>, one per checkpoint, dtype the
 weights are read in and scheme, its name a digest of those (the checkpoint by its weight files' resolved paths and
-file_versions) and of what decides the codes (this cache's format, int4's range steps, torch's version): a changed
-weight file, another rounding or another torch make another entry, and the least recently used entries beyond
-INT4_CODE_CACHE_MAX_ENTRIES are pruned. Each weight's codes are one safetensors file of its entry, written to a
-temporary name and renamed into place (processes loading together never read a torn one); none is written where it
-would leave less than INT4_CODE_CACHE_MIN_FREE_BYTES of the disk free. A cache that cannot be read or written only
+file_versions) and of what decides the codes and their layout (this cache's format, int4's range steps, torch's
+version and the CPU capability its kernels run at, which decide how torch packs them): a changed weight file, another
+rounding, another torch or a cache folder shared with a host of another CPU make another entry, and the least
+recently used entries beyond INT4_CODE_CACHE_MAX_ENTRIES are pruned. Each weight's codes, packed as torch's CPU kernel
+takes them, are one safetensors file of its entry, written to a temporary name and renamed into place (processes
+loading together never read a torn one); none is written where it would leave less than
+INT4_CODE_CACHE_MIN_FREE_BYTES of the disk free. A cache that cannot be read or written only
 costs the rounding, and a file that does not hold codes of the weight's shape and group size is taken for missing.
 """
 
@@ -35,14 +37,14 @@ from .weight_codes import KERNEL_DTYPE, Int4Codes
 
 INT4_CODE_CACHE_DIR_NAME = "int4-codes"
 # Part of every entry's name: bumped whenever what an entry holds changes shape, or int4_grouped_codes rounds
-# otherwise (as the mesh protocol is).
-INT4_CODE_CACHE_FORMAT = 1
+# otherwise (as the mesh protocol is). 2: the codes packed as torch's CPU kernel takes them, not two to a byte.
+INT4_CODE_CACHE_FORMAT = 2
 # Entries kept, each the codes of the layers of one checkpoint a host loaded (under int4/g32 about a sixth of their
 # float32 bytes).
 INT4_CODE_CACHE_MAX_ENTRIES = 8
 # The disk space a write leaves free at least: the cache gives way to what the host keeps there.
 INT4_CODE_CACHE_MIN_FREE_BYTES = 1 << 30
-_CODES, _TABLE = "paired_codes", "scales_and_zeros"
+_CODES, _TABLE = "packed_codes", "scales_and_zeros"
 # A damaged, foreign or vanished file (a concurrent prune), or a folder that cannot be written: each means rounding.
 CACHE_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
 
@@ -66,17 +68,18 @@ class Int4CodeCache:
         except CACHE_ERRORS:
             return None
         rows, columns = shape
-        if (codes.paired_codes.dtype != torch.uint8 or codes.scales_and_zeros.dtype != KERNEL_DTYPE
+        if (codes.packed_codes.dtype != torch.uint8 or codes.scales_and_zeros.dtype != KERNEL_DTYPE
                 or codes.shape != (rows, columns) or columns % group_size
                 or tuple(codes.scales_and_zeros.shape) != (columns // group_size, rows, 2)):
             return None
         with contextlib.suppress(OSError):
             os.utime(self.folder)  # used: the last to be pruned
-        return codes
+        # Copied out of the file's mapping: a shard's weights never depend on what later becomes of the file.
+        return Int4Codes(codes.packed_codes.clone(), codes.scales_and_zeros.clone())
 
     def store(self, weight_name: str, codes: Int4Codes) -> None:
         """Keep `codes` as `weight_name`'s; a cache that cannot be written, or a disk near full, is left as it is."""
-        tensors = {_CODES: codes.paired_codes.cpu().contiguous(), _TABLE: codes.scales_and_zeros.cpu().contiguous()}
+        tensors = {_CODES: codes.packed_codes.cpu().contiguous(), _TABLE: codes.scales_and_zeros.cpu().contiguous()}
         size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         staging = None
         try:
@@ -113,7 +116,8 @@ def int4_code_cache(weight_files: Iterable[Path], dtype: torch.dtype, scheme_lab
         return None
     # The rounding's settings read as they are now: a scratch copy that changes them gets entries of its own.
     rounding = (weight_codes.INT4_RANGE_STEPS, weight_codes.INT4_RANGE_STEP)
-    text = "\0".join(map(str, (INT4_CODE_CACHE_FORMAT, torch.__version__, *rounding, dtype, scheme_label,
+    text = "\0".join(map(str, (INT4_CODE_CACHE_FORMAT, torch.__version__, torch.backends.cpu.get_cpu_capability(),
+                               *rounding, dtype, scheme_label,
                                *(part for file in files for part in file))))
     name = hashlib.sha256(text.encode()).hexdigest()[:ENTRY_NAME_HEX_CHARS]
     return Int4CodeCache(int4_code_cache_root() / name)

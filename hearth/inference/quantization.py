@@ -39,7 +39,7 @@ from .int8_kernels import INT_MM_FEATURE_MULTIPLE, cuda_row_product, fbgemm_row_
     int8_rows_on_cpu, pack_for_fbgemm
 from .shared_products import SharedRowProduct
 from .weight_codes import INT4_MIDPOINT, KERNEL_DTYPE, Int4Codes, int4_codes, int4_grouped_codes, \
-    int8_per_channel, pack_int4_for_cuda, row_chunks
+    int8_per_channel, pack_int4_for_cpu, pack_int4_for_cuda, row_chunks
 
 DEFAULT_QUANTIZATION = "none"
 # The setting that serves each checkpoint as it is stored (hearth/inference/stored_precision.py); mirrored by
@@ -177,6 +177,16 @@ class Int4Groups:
         zeros = self.minimums[first:last] + scales * INT4_MIDPOINT
         return self.codes[first:last], torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
 
+    def packed_for_cpu(self) -> Int4Codes:
+        """These codes as torch's CPU int4 kernel takes them, packed a chunk of rows at a time (row_chunks)."""
+        rows, columns = self.shape
+        packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
+        table = torch.empty(columns // self.group_size, rows, 2, dtype=KERNEL_DTYPE)
+        for first, last in row_chunks(rows):
+            codes, table[:, first:last] = self.kernel_form(first, last)
+            packed[first:last] = pack_int4_for_cpu(codes)
+        return Int4Codes(packed, table)
+
 
 # ----------------------------------------------------------------------------------------------- memory figures
 
@@ -245,14 +255,11 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer("weight_int4pack", pack_int4_for_cuda(codes))
                 self.register_buffer("scales_and_zeros", scales_and_zeros)
             else:
-                stored = stored if stored is not None else int4_codes(weight, scheme.group_size)
-                packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
-                scales_and_zeros = torch.empty(columns // scheme.group_size, rows, 2, dtype=KERNEL_DTYPE)
-                for first, last in row_chunks(rows):
-                    codes, scales_and_zeros[:, first:last] = stored.kernel_form(first, last)
-                    packed[first:last] = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-                self.register_buffer("weight_int4pack", packed)
-                self.register_buffer("scales_and_zeros", scales_and_zeros)
+                if not isinstance(stored, Int4Codes):
+                    stored = (int4_codes(weight, scheme.group_size) if stored is None
+                              else stored.packed_for_cpu())
+                self.register_buffer("weight_int4pack", stored.packed_codes)
+                self.register_buffer("scales_and_zeros", stored.scales_and_zeros)
         bias = dense.bias
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 

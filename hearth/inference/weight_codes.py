@@ -1,6 +1,6 @@
 """How a dense weight becomes what torch's int8 and int4 kernels take (symmetric int8 codes per output channel; uint4
-codes in groups of input features with a scale and a zero each, and tinygemm's tiled layout for CUDA), and the
-bytes each form holds."""
+codes in groups of input features with a scale and a zero each, packed in torch's CPU layout or tinygemm's tiled one
+for CUDA), and the bytes each form holds."""
 
 from __future__ import annotations
 
@@ -52,16 +52,17 @@ def row_chunks(rows: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Int4Codes:
-    """A weight rounded to int4 as torch's int4 kernels take it, its codes two to a byte (column 2k in the low four
-    bits, 2k + 1 in the high ones) beside the [groups, out, 2] (scale, zero) table: what a host keeps on disk of a
+    """A weight rounded to int4 in the form torch's CPU int4 kernel takes: its codes as
+    ``torch._convert_weight_to_int4pack_for_cpu`` packs them (two a byte, in a layout of torch's own that differs by
+    torch version and CPU capability) beside the [groups, out, 2] (scale, zero) table; what a host keeps on disk of a
     weight it rounded (hearth/inference/int4_code_cache.py)."""
 
-    paired_codes: torch.Tensor  # [out, in // 2], uint8
+    packed_codes: torch.Tensor  # [out, in // 2], uint8
     scales_and_zeros: torch.Tensor  # [in // group size, out, 2], KERNEL_DTYPE
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows, pairs = self.paired_codes.shape
+        rows, pairs = self.packed_codes.shape
         return rows, 2 * pairs
 
     @property
@@ -70,25 +71,24 @@ class Int4Codes:
 
     @property
     def device(self) -> torch.device:
-        return self.paired_codes.device
+        return self.packed_codes.device
 
-    def kernel_form(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows first..last as torch's int4 kernels take them: the codes 0..15 [rows, in], and their part of the
-        (scale, zero) table."""
-        pairs = self.paired_codes[first:last]
-        codes = torch.stack([pairs & 0xF, pairs >> 4], dim=2).reshape(last - first, self.shape[1])
-        return codes, self.scales_and_zeros[:, first:last]
+
+def pack_int4_for_cpu(codes: torch.Tensor) -> torch.Tensor:
+    """[rows, in] codes 0..15 as torch's CPU int4 kernel takes them."""
+    return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
 
 
 def int4_codes(weight: torch.Tensor, group_size: int) -> Int4Codes:
-    """``int4_grouped_codes`` of ``weight``, rounded a chunk of rows at a time (row_chunks) in float32."""
+    """``int4_grouped_codes`` of ``weight``, rounded a chunk of rows at a time (row_chunks) in float32 and packed for
+    torch's CPU int4 kernel."""
     rows, columns = weight.shape
-    paired = torch.empty(rows, columns // 2, dtype=torch.uint8, device=weight.device)
-    table = torch.empty(columns // group_size, rows, 2, dtype=KERNEL_DTYPE, device=weight.device)
+    packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
+    table = torch.empty(columns // group_size, rows, 2, dtype=KERNEL_DTYPE)
     for first, last in row_chunks(rows):
         codes, table[:, first:last] = int4_grouped_codes(weight[first:last].float(), group_size)
-        paired[first:last] = codes[:, 0::2] | codes[:, 1::2] << 4
-    return Int4Codes(paired, table)
+        packed[first:last] = pack_int4_for_cpu(codes)
+    return Int4Codes(packed, table)
 
 
 def pack_int4_for_cuda(codes: torch.Tensor) -> torch.Tensor:

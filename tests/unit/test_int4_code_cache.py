@@ -2,10 +2,14 @@
 loading the same layers again reads the codes instead of the weights and holds the very same buffers, a checkpoint of
 many weight files in one entry; a rewritten weight file, another scheme or dtype is rounded again; a damaged or
 foreign cache file is rounded again and replaced; a cache that cannot be written, or a disk near full, only costs the
-rounding; old entries are pruned."""
+rounding; old entries are pruned; a host of another CPU capability sharing the cache folder keeps its own entry."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +87,33 @@ def test_a_checkpoint_of_many_weight_files_is_one_entry(tmp_path, cache_dir, mon
     assert list(int4_code_cache_root().iterdir()) == [entry_of(sharded)]
 
 
+CHILD_LOADS = """
+import json, sys
+from hearth.inference import load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS
+reads = [load_layer_range(sys.argv[1], *json.loads(sys.argv[2]), quantization="int4/g32",
+                          **RUNNER_KV_LIMITS).checkpoint_bytes_read for _ in range(2)]
+print(json.dumps(reads))
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT",
+                    reason="this CPU runs torch's default kernels")
+def test_a_host_of_another_cpu_capability_sharing_the_cache_folder_rounds_its_own_codes(model, cache_dir):
+    # torch packs int4 codes for its CPU kernel differently at each capability: another's packing read as its own
+    # would multiply by scrambled weights.
+    ours = load(model)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD_LOADS, str(model), json.dumps(LAYERS)], capture_output=True, text=True,
+        timeout=120, cwd=Path(__file__).parents[2],
+        env={**os.environ, "ATEN_CPU_CAPABILITY": "default", "HEARTH_CACHE_DIR": str(cache_dir)})
+    assert child.returncode == 0, child.stderr[-2000:]
+    rounded, cached = json.loads(child.stdout.splitlines()[-1])
+    assert rounded > ours.checkpoint_bytes_read / 2 and cached < ours.checkpoint_bytes_read / 20
+    assert len({file.parent for file in cached_files(cache_dir)}) == 2
+    assert_same_buffers(ours, load(model))  # ours still read from our own entry
+
+
 def test_a_rewritten_weight_file_is_rounded_again(model, cache_dir):
     first = load(model)
     weights = model / "model.safetensors"
@@ -106,7 +137,7 @@ def test_a_damaged_or_foreign_cache_file_is_rounded_again_and_replaced(model, ca
     elif damage == "foreign":
         victim.write_bytes(b"not a safetensors file at all")
     else:
-        save_file({"paired_codes": torch.zeros(16, 16, dtype=torch.uint8),
+        save_file({"packed_codes": torch.zeros(16, 16, dtype=torch.uint8),
                    "scales_and_zeros": torch.zeros(1, 16, 2, dtype=torch.bfloat16)}, victim)
     second = load(model)
     assert second.checkpoint_bytes_read > first.checkpoint_bytes_read / 20  # that one weight read again
