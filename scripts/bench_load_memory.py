@@ -7,7 +7,9 @@ resident high-water mark (writing "5" to /proc/self/clear_refs resets VmHWM), lo
 added once loaded, and after one 16-token forward pass (weights that need no dtype conversion stay memory-mapped
 from the checkpoint on the CPU, so they become resident only when compute first touches them). "Imports
 everything" includes the family's modeling module and a meta-device model (warm_up_imports): one-off costs of the
-process, not of the weights.
+process, not of the weights. Each child gets an empty $HEARTH_CACHE_DIR unless --keep-cache is given, so an int4
+load measures the rounding rather than the codes a host keeps on disk (hearth/inference/int4_code_cache.py), and a
+GGUF's parsed metadata is parsed again.
 
     .venv/bin/python scripts/bench_load_memory.py                      # random:llama-250m, cpu, fp32 and bf16
     .venv/bin/python scripts/bench_load_memory.py --device cuda --dtypes bf16
@@ -24,6 +26,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -127,12 +130,15 @@ def run_child(what: str, path: Path, dtype: str, device: str, quantization: str 
     }
 
 
-def measure(case: str, path: Path, dtype: str, device: str, quantization: str) -> dict:
+def measure(case: str, path: Path, dtype: str, device: str, quantization: str, keep_cache: bool) -> dict:
     what = what_to_load(case, path)
     command = [sys.executable, __file__, "--child", what, "--path", str(path), "--dtype", dtype, "--device", device,
                "--quantize", quantization]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
+    with tempfile.TemporaryDirectory(prefix="bench-load-cache-") as empty_cache:
+        if not keep_cache:
+            env["HEARTH_CACHE_DIR"] = empty_cache
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
     if result.returncode != 0:
         raise RuntimeError(f"{case} {dtype} failed:\n{result.stderr}")
     return {"case": case, **json.loads(result.stdout.strip().splitlines()[-1])}
@@ -166,6 +172,9 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     parser.add_argument("--quantize", default="none", help="the scheme to load in: none, int8, int4/g32, auto")
     parser.add_argument("--json", type=Path, help="also write the raw figures to this file")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="load with this host's $HEARTH_CACHE_DIR (int4 codes kept on disk, parsed GGUF metadata) "
+                             "instead of an empty one")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # "head" or "lo-hi": what a measuring process loads
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -182,14 +191,16 @@ def main() -> None:
     rows = []
     for dtype in args.dtypes.split(","):
         for case in args.cases.split(","):
-            rows.append(measure(case, path, DTYPE_NAMES.get(dtype, dtype), args.device, args.quantize))
+            rows.append(measure(case, path, DTYPE_NAMES.get(dtype, dtype), args.device, args.quantize,
+                                args.keep_cache))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     import torch
 
     print(f"{args.model} on {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"torch {torch.__version__}; peak: {rows[0]['peak_method']}; baseline RSS "
+          f"torch {torch.__version__}; peak: {rows[0]['peak_method']}; "
+          f"{'this host' if args.keep_cache else 'an empty'} cache folder; baseline RSS "
           f"{rows[0]['baseline_rss_bytes'] / MEBIBYTE:,.0f} MiB")
     print()
     print("```sh")

@@ -24,7 +24,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
-from .cache_versions import MODEL_LOCK_WAIT_S, REMOVED_SUFFIX, deleted_aside, folder_lock
+from hearth.formats.cache_layout import REMOVED_SUFFIX
+
+from .cache_versions import MODEL_LOCK_WAIT_S, deleted_aside, folder_lock
 from .errors import CheckpointError
 from .partial_checkpoint import NeededTensors, complete_partial_folder, remove_abandoned
 

@@ -25,16 +25,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from hearth.formats.cache_layout import IN_USE_LOCK, REMOVED_SUFFIX
+
 from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-IN_USE_LOCK = ".in-use.lock"
 MODEL_LOCK = ".versions.lock"
 # How long taking a version into use waits for a process cleaning the same model (a few renames).
 MODEL_LOCK_WAIT_S = 30.0
 MODEL_LOCK_POLL_S = 0.05
-REMOVED_SUFFIX = ".removed"
 
 # Version folder -> its IN_USE_LOCK, held open (and so locked) until this process ends.
 _held: dict[Path, IO] = {}

@@ -13,10 +13,9 @@ from pathlib import Path
 from .errors import CheckpointError
 from .file_version import file_version
 from .heap import release_freed_heap
+from hearth.formats.cache_layout import DEFAULT_WEIGHTS_CACHE_DIR, WEIGHTS_CACHE_DIR_ENV
 from hearth.formats.gguf_support import is_gguf_file
 
-WEIGHTS_CACHE_DIR_ENV = "HEARTH_CACHE_DIR"
-DEFAULT_WEIGHTS_CACHE_DIR = Path("~/.cache/hearth")
 # v2: the digest combines each file's own SHA-256, so a partial copy can state it from its source's listing.
 # v3: each file keyed by file_version, not its size and mtime alone (a v2 file's entries would never match).
 WEIGHTS_CACHE_FILE_NAME = "weights_sha256.v3.json"

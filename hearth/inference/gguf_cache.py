@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checksum import DEFAULT_WEIGHTS_CACHE_DIR, WEIGHTS_CACHE_DIR_ENV
+from hearth.formats.cache_layout import GGUF_CACHE_DIR_NAME, describe_entry, hearth_cache_dir
+
 from .file_version import FileVersion, file_version
 
-GGUF_CACHE_DIR_NAME = "gguf"
 # Part of every entry's name: bumped whenever what an entry holds changes shape or what parsing refuses, so no
 # process misreads an old one or serves a file it now refuses (6: named by file_version, not size and mtime alone).
 GGUF_CACHE_FORMAT = 6
@@ -41,7 +41,7 @@ CACHE_ERRORS = (OSError, ValueError, TypeError, KeyError)
 
 def gguf_cache_root() -> Path:
     """Where entries live: $HEARTH_CACHE_DIR (default ~/.cache/hearth, as hearth/inference/checksum.py)/gguf."""
-    return Path(os.environ.get(WEIGHTS_CACHE_DIR_ENV) or DEFAULT_WEIGHTS_CACHE_DIR).expanduser() / GGUF_CACHE_DIR_NAME
+    return hearth_cache_dir() / GGUF_CACHE_DIR_NAME
 
 
 def gguf_cache_entry_name(path: Path, version: FileVersion) -> str:
@@ -55,6 +55,7 @@ class GGUFCacheEntry:
     """The cached artifacts of one GGUF file version: JSON values and saved folders, each by name."""
 
     folder: Path
+    about: str = ""  # which file's metadata the entry holds, for `hearth cache` (describe_entry)
 
     def read_json(self, name: str):
         """The value stored under `name`, None when there is none (or it is unreadable)."""
@@ -131,13 +132,15 @@ class GGUFCacheEntry:
         if self.folder.is_dir():
             return
         self.folder.mkdir(parents=True, exist_ok=True)
+        describe_entry(self.folder, self.about)
         prune_entries(self.folder.parent, keep=self.folder, max_entries=GGUF_CACHE_MAX_ENTRIES)
 
 
 def gguf_cache_entry(path: str | Path) -> GGUFCacheEntry:
     """The cache entry of the GGUF file at `path` as it is now (its resolved path and file_version)."""
     path = Path(path).resolve()
-    return GGUFCacheEntry(gguf_cache_root() / gguf_cache_entry_name(path, file_version(path.stat())))
+    return GGUFCacheEntry(gguf_cache_root() / gguf_cache_entry_name(path, file_version(path.stat())),
+                          f"the metadata of {path}")
 
 
 def prune_entries(root: Path, *, keep: Path, max_entries: int) -> None:

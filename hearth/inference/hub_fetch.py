@@ -36,6 +36,7 @@ from .checkpoint_files import SAFETENSORS_INDEX_NAME, check_full_precision, chec
 from .cache_ranges import held_complete_folder, hold_range, remove_superseded_ranges
 from .cache_versions import hold_version, is_held, release_version, remove_unused_versions
 from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
+from hearth.formats.cache_layout import HUB_PARTIAL_FOLDER, hearth_cache_dir
 from hearth.formats.gguf_support import GGUF_SUFFIX
 from .errors import CheckpointError
 from .hub_cache import complete_hub_snapshot, hub_cache_gguf
@@ -50,14 +51,12 @@ from .partial_checkpoint import (
     check_needed,
     complete_partial_folder,
     files_holding,
-    hearth_cache_dir,
     selection_name,
     written_marker,
 )
 
 logger = logging.getLogger(__name__)
 
-HUB_PARTIAL_FOLDER = "hearth-partial"
 # Where a repository's GGUF FILE is downloaded whole, per commit: <commit>/gguf-files/FILE/ holds the file and,
 # once checked, the marker stating its digest; its ranged parts live in <commit>/gguf-parts/FILE/.
 HUB_GGUF_FOLDER = "gguf-files"

@@ -29,13 +29,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from hearth.formats.cache_layout import INT4_CODE_CACHE_DIR_NAME, describe_entry, hearth_cache_dir
+
 from .file_version import file_version
 from .gguf_cache import ENTRY_NAME_HEX_CHARS, STAGING_SUFFIX, prune_entries
-from .partial_checkpoint import hearth_cache_dir
 from . import weight_codes
 from .weight_codes import KERNEL_DTYPE, Int4Codes
 
-INT4_CODE_CACHE_DIR_NAME = "int4-codes"
 # Part of every entry's name: bumped whenever what an entry holds changes shape, or int4_grouped_codes rounds
 # otherwise (as the mesh protocol is). 2: the codes packed as torch's CPU kernel takes them, not two to a byte.
 INT4_CODE_CACHE_FORMAT = 2
@@ -59,6 +59,7 @@ class Int4CodeCache:
     """The cached codes of one checkpoint's weights, read in one dtype and rounded under one int4 scheme."""
 
     folder: Path
+    about: str = ""  # what the entry holds codes of, for `hearth cache` (describe_entry)
 
     def codes(self, weight_name: str, shape: tuple[int, int], group_size: int) -> Int4Codes | None:
         """The codes stored for `weight_name` when they are of that shape and group size, else None."""
@@ -104,6 +105,7 @@ class Int4CodeCache:
         if self.folder.is_dir():
             return
         self.folder.mkdir(parents=True, exist_ok=True)
+        describe_entry(self.folder, self.about)
         prune_entries(self.folder.parent, keep=self.folder, max_entries=INT4_CODE_CACHE_MAX_ENTRIES)
 
 
@@ -120,4 +122,7 @@ def int4_code_cache(weight_files: Iterable[Path], dtype: torch.dtype, scheme_lab
                                *rounding, dtype, scheme_label,
                                *(part for file in files for part in file))))
     name = hashlib.sha256(text.encode()).hexdigest()[:ENTRY_NAME_HEX_CHARS]
-    return Int4CodeCache(int4_code_cache_root() / name)
+    parents = {path.parent for path, *_ in files}
+    source = str(parents.pop()) if len(parents) == 1 and len(files) > 1 else ", ".join(str(path) for path, *_ in files)
+    return Int4CodeCache(int4_code_cache_root() / name,
+                         f"{scheme_label} codes of {source}, read in {str(dtype).removeprefix('torch.')}")

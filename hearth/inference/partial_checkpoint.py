@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Literal, Union
 
 from .checkpoint_files import SAFETENSORS_INDEX_NAME
-from .checksum import DEFAULT_WEIGHTS_CACHE_DIR, PARTIAL_CHECKPOINT_MARKER, WEIGHTS_CACHE_DIR_ENV
+from .checksum import PARTIAL_CHECKPOINT_MARKER
 from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -40,11 +40,6 @@ NON_WEIGHT_PATTERNS = ("*.json", "*.model", "*.txt", "*.jinja", "tokenizer*")
 # it. The age covers the moment between a writer creating its file and locking it.
 BEING_WRITTEN_SUFFIX = ".writing"  # not hub_download.PARTIAL_SUFFIX: a hub download resumes its part, this restarts
 ABANDONED_AFTER_S = 60.0
-
-
-def hearth_cache_dir() -> Path:
-    """$HEARTH_CACHE_DIR, else ~/.cache/hearth (as hearth/inference/checksum.py)."""
-    return Path(os.environ.get(WEIGHTS_CACHE_DIR_ENV) or DEFAULT_WEIGHTS_CACHE_DIR).expanduser()
 
 
 def layer_of(tensor_name: str) -> int | None:

@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import click
 import typer
 
+from hearth.services.cache_cli import cache_app
 from hearth.services.cli_errors import OneLineErrorsGroup
 from hearth.services.community_cli import community_app
 from hearth.services.db_cli import db_app
@@ -98,6 +99,7 @@ app.add_typer(db_app, name="db", cls=OneLineErrorsGroup)
 app.add_typer(community_app, name="community", cls=OneLineErrorsGroup)
 app.add_typer(dashboards_app, name="dashboards", cls=OneLineErrorsGroup)
 app.add_typer(weights_app, name="weights", cls=OneLineErrorsGroup)
+app.add_typer(cache_app, name="cache", cls=OneLineErrorsGroup)
 app.command("schema")(schema_command)
 app.command("docs")(docs_command)
 # Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.

@@ -30,11 +30,12 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from hearth.inference.cache_ranges import hold_range, remove_superseded_ranges
 from hearth.inference.cache_versions import hold_version, remove_unused_versions
 from hearth.inference.checksum import PARTIAL_CHECKPOINT_MARKER
+from hearth.formats.cache_layout import STORE_CACHE_FOLDER, hearth_cache_dir
 from hearth.formats.gguf_support import GGUF_SUFFIX
 from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NeededTensors, assemble_partial_folder, check_needed, \
-    complete_partial_folder, hearth_cache_dir, remove_abandoned, selection_name
+    complete_partial_folder, remove_abandoned, selection_name
 from hearth.services.broker.permissions import WEIGHTS_BUCKET
 from hearth.services.weights_objects import ObjectMissing, WeightsStoreError, fetch_object, object_intact, \
     read_small_object
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STORE_MODEL_PREFIX = "store:"
-STORE_CACHE_FOLDER = "store"
 MANIFEST_OBJECT = "manifest.json"
 MANIFEST_MAX_BYTES = 4 << 20
 MAX_STORED_OBJECTS = 4096

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from hearth.services.cli import app
 from hearth.services.common.hearth_files import data_dir
-from hearth.services.devtools.random_models import CACHE_DIR_ENV
+from hearth.formats.cache_layout import WEIGHTS_CACHE_DIR_ENV as CACHE_DIR_ENV
 from tests.unit.gguf_files import rewrite_gguf, write_tiny_gguf
 from tests.unit.inference_tiny_models import one_torch_thread, write_tiny_model  # noqa: F401  (fixture by name)
 

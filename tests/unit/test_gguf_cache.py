@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from hearth.formats.cache_layout import ENTRY_SOURCE_FILE, entry_description
 from hearth.inference import gguf_cache, gguf_checkpoint, gguf_tensor_table, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
 from hearth.inference.gguf_cache import GGUFCacheEntry, gguf_cache_entry
@@ -148,7 +149,9 @@ def test_damaged_entries_are_parsed_again_and_replaced(tiny_gguf_file, parses):
     assert load_gguf_tokenizer(tiny_gguf_file).encode("a b c") == tokenizer.encode("a b c")
     assert parses == {"config": 2, "table": 2, "tokenizer": 2}
     kept = sorted(p.name for p in entry.folder.iterdir() if not p.name.endswith(".lock"))
-    assert kept == ["config.json", "table.json", "tokenizer"]  # nothing staged or set aside is left behind
+    # Nothing staged or set aside is left behind; what the entry holds is said for `hearth cache list`.
+    assert kept == ["config.json", ENTRY_SOURCE_FILE, "table.json", "tokenizer"]
+    assert entry_description(entry.folder) == f"the metadata of {tiny_gguf_file.resolve()}"
 
 
 def test_loads_starting_together_parse_the_file_once(tiny_gguf_file, parses):

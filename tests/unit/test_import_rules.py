@@ -86,6 +86,8 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
                                        "services.community_removal"),
     "services.nats_cli": (*_BROKER_SIDE, "services.cli_options"),
     "services.db_cli": (*_BROKER_SIDE, "readmodels", "services.cli_options"),
+    "services.cache_inventory": ("formats", "inference"),  # inference only to remove store and hub versions
+    "services.cache_cli": ("formats", "services.cli_options", "services.cache_inventory"),
     "services.weights_cli": (*_BROKER_SIDE, "services.cli_options", "services.weights_store",
                              "services.weights_publish"),
     "services.devtools": (*_MODEL_SIDE, "readmodels", "services.cli_options", "services.model_options",

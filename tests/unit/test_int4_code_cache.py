@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from hearth.formats.cache_layout import ENTRY_SOURCE_FILE, entry_description
 from hearth.inference import int4_code_cache, load_layer_range
 from hearth.inference.int4_code_cache import int4_code_cache_root
 from hearth.inference.quantization import QuantizedLinear
@@ -62,6 +63,9 @@ def test_a_second_load_reads_the_codes_not_the_weights_and_holds_the_same_buffer
     rounded = load(model)
     files = cached_files(cache_dir)
     assert len(files) == LINEARS_PER_LAYER * (LAYERS[1] - LAYERS[0] + 1)
+    # `hearth cache list` names what the entry holds codes of.
+    described = f"int4/g32 codes of {model.resolve() / 'model.safetensors'}, read in float32"
+    assert entry_description(files[0].parent) == described
     cached = load(model)
     # Only the norms are read from the checkpoint the second time: every Linear's weight comes from the cache.
     assert cached.checkpoint_bytes_read < rounded.checkpoint_bytes_read / 20
@@ -194,4 +198,4 @@ def test_a_load_stopped_while_it_writes_codes_leaves_no_staging_file(model, cach
     monkeypatch.setattr(int4_code_cache, "save_file", stopped_midway)
     with pytest.raises(KeyboardInterrupt):
         load(model)
-    assert [file for file in cache_dir.rglob("*") if file.is_file()] == []
+    assert [file for file in cache_dir.rglob("*") if file.is_file() and file.name != ENTRY_SOURCE_FILE] == []

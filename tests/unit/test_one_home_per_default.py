@@ -60,8 +60,6 @@ MIRRORS = (
     (("hearth/inference/sampling.py", "repetition_penalty"), ("hearth/protocol/chat.py", "repetition_penalty")),
     (("hearth/inference/ollama_models.py", "OLLAMA_MODEL_PREFIX"),
      ("hearth/services/devtools/demo_model.py", "OLLAMA_MODEL_PREFIX")),
-    (("hearth/inference/gguf_cache.py", "GGUF_CACHE_DIR_NAME"),
-     ("hearth/services/devtools/demo_model.py", "GGUF_CACHE_DIR_NAME")),
     (("hearth/inference/gguf_cache.py", "GGUF_CACHE_FORMAT"),
      ("hearth/services/devtools/demo_model.py", "GGUF_CACHE_FORMAT")),
     (("hearth/inference/cpu_kernels.py", "DEFAULT_CPU_LINEAR_KERNEL"),

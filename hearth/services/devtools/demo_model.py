@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from hearth.formats.cache_layout import GGUF_CACHE_DIR_NAME
 from hearth.formats.gguf_support import (
     GGUF_MAGIC,
     GGUF_SUFFIX,
@@ -48,9 +49,8 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 GGUF_ARCHITECTURE_KEY = "general.architecture"
 # What the demo read from a GGUF's metadata (which takes seconds) is kept in the file version's entry of hearth's
-# GGUF cache, named as hearth/inference/gguf_cache.py names it (that module is not imported here: it would bring torch
-# into the supervising process); tests/unit/test_gguf_cache.py keeps the two in step.
-GGUF_CACHE_DIR_NAME = "gguf"
+# GGUF cache, named as hearth/inference/gguf_cache.py names it (that module is not imported here: it would bring
+# torch into the supervising process); tests/unit/test_gguf_cache.py keeps the two in step.
 GGUF_CACHE_FORMAT = 6
 GGUF_CACHE_ENTRY_NAME_HEX_CHARS = 32
 GGUF_DESCRIPTION_CACHE_FILE = "demo-description.json"

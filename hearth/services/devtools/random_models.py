@@ -25,6 +25,7 @@ import socket
 import sys
 from pathlib import Path
 
+from hearth.formats.cache_layout import RANDOM_MARKER_FILE, RANDOM_MODELS_FOLDER, hearth_cache_dir
 from hearth.services.common.child_processes import process_alive
 
 RANDOM_SHAPES: dict[str, dict[str, int]] = {
@@ -46,10 +47,8 @@ RANDOM_SHAPES: dict[str, dict[str, int]] = {
 BIG_SHAPES = frozenset({"llama3-8b"})
 random_init_std = 0.02  # LlamaConfig's initializer_range, what transformers' init draws linear weights with
 RANDOM_PREFIX = "random:"
-RANDOM_MARKER_FILE = "hearth-random-shape.json"
 random_max_positions = 4096
 random_init_seed = 0
-CACHE_DIR_ENV = "HEARTH_CACHE_DIR"
 # Raised when the tokenizer changes: a cached checkpoint with another version gets the new tokenizer (weights kept).
 RANDOM_TOKENIZER_VERSION = 2
 RANDOM_CHARACTERS = tuple(chr(code) for code in range(0x21, 0x7F)) + (" ", "\n")
@@ -79,7 +78,7 @@ class UnknownRandomShape(ValueError):
 def cache_root(cache_dir: Path | None = None) -> Path:
     if cache_dir is not None:
         return Path(cache_dir)
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "hearth")
+    return hearth_cache_dir()
 
 
 def random_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
@@ -87,7 +86,7 @@ def random_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
     shape = spec.removeprefix(RANDOM_PREFIX)
     if shape not in RANDOM_SHAPES:
         raise UnknownRandomShape(f"unknown random shape {shape!r}; known: {', '.join(sorted(RANDOM_SHAPES))}")
-    folder = cache_root(cache_dir) / "random-models" / shape
+    folder = cache_root(cache_dir) / RANDOM_MODELS_FOLDER / shape
     remove_abandoned_staging(folder.parent)
     dims = RANDOM_SHAPES[shape]
     marker = folder / RANDOM_MARKER_FILE
