@@ -173,6 +173,13 @@ def test_the_free_disk_decides_the_verdict(tmp_path, free, verdict):
     assert check.verdict == verdict and str(tmp_path) in check.detail
 
 
+def test_a_full_disk_holding_hearths_cache_points_at_hearth_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
+    [other] = disk_checks([tmp_path / "state"], free_of=lambda _folder: low_disk_warn_bytes - 1)
+    [cache] = disk_checks([tmp_path / "cache"], free_of=lambda _folder: low_disk_warn_bytes - 1)
+    assert "hearth cache" not in other.fix and "`hearth cache list`" in cache.fix
+
+
 def test_folders_not_made_yet_are_judged_by_their_disk_once_per_disk(tmp_path):
     seen = []
     checks = disk_checks([tmp_path / "state" / "hearth", tmp_path / "cache"],

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hearth.formats.cache_layout import hearth_cache_dir
 from hearth.services.broker.permissions import admitted
 from hearth.services.broker.store_space import MiB, free_bytes
 from hearth.services.broker.tls import TlsConfigError, certificate_dates, client_ssl_context
@@ -175,13 +176,20 @@ def disk_checks(folders: Iterable[Path], free_of: Callable[[Path], int] = free_b
             checks.append(warn("disk", f"the free space of {where} cannot be read: {error.strerror or error}"))
             continue
         said = f"{free / (1024 * MiB):.1f} GiB free on the disk of {where}"
+        fix = "free space on that disk"
+        if any(_within(folder.expanduser(), hearth_cache_dir()) for folder in named):
+            fix += " (`hearth cache list` shows what hearth's cache holds there, `hearth cache clear` removes it)"
         if free < low_disk_fail_bytes:
-            checks.append(fail("disk", f"only {said}", "free space on that disk"))
+            checks.append(fail("disk", f"only {said}", fix))
         elif free < low_disk_warn_bytes:
-            checks.append(warn("disk", f"only {said}", "free space on that disk"))
+            checks.append(warn("disk", f"only {said}", fix))
         else:
             checks.append(ok("disk", said))
     return checks
+
+
+def _within(folder: Path, parent: Path) -> bool:
+    return folder == parent or parent in folder.parents
 
 
 def _nearest_existing(folder: Path) -> Path:
