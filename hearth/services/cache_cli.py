@@ -43,9 +43,10 @@ def list_command(
     """Each entry of hearth's cache: its kind, the name `hearth cache clear` takes, its size on disk, when it was last
     written or used, whether a running process uses it (store and hub models), and what it holds."""
     from hearth.formats.cache_layout import hearth_cache_dir
-    from hearth.services.cache_inventory import cache_entries
+    from hearth.services.cache_inventory import cache_entries, disk_usage, leftovers
 
     entries = cache_entries()
+    left = sum(disk_usage(folder) for folder in leftovers())
     if as_json:
         for entry in entries:
             typer.echo(json.dumps({"kind": entry.kind, "name": entry.name, "folder": str(entry.folder),
@@ -53,6 +54,8 @@ def list_command(
                                    "in_use": entry.in_use, "about": entry.about}))
         return
     typer.echo(f"hearth's cache: {hearth_cache_dir()} ($HEARTH_CACHE_DIR moves it)")
+    if left:
+        typer.echo(f"{size_text(left)} left by a removal cut short: `hearth cache clear all` deletes it")
     if not entries:
         typer.echo("nothing cached")
         return

@@ -101,15 +101,20 @@ def remove_entry(entry: CacheEntry) -> Removal:
     return Removal(entry, entry.size_bytes, 0)
 
 
-def remove_leftovers(kinds: Iterable[str] = CACHE_KINDS, root: Path | None = None) -> int:
-    """Delete the folders a removal ending midway left renamed aside in `kinds`' folders; the bytes freed."""
+def leftovers(kinds: Iterable[str] = CACHE_KINDS, root: Path | None = None) -> list[Path]:
+    """The folders a removal ending midway left renamed aside in `kinds`' folders (a store or hub model's own are
+    deleted by its next cleaning)."""
     root = root if root is not None else hearth_cache_dir()
+    return [aside for kind in kinds if (folder := root / CACHE_KINDS[kind]).is_dir()
+            for aside in sorted(folder.glob(f".*{REMOVED_SUFFIX}")) if aside.is_dir()]
+
+
+def remove_leftovers(kinds: Iterable[str] = CACHE_KINDS, root: Path | None = None) -> int:
+    """Delete `leftovers(kinds)`; the bytes freed."""
     freed = 0
-    for kind in kinds:
-        folder = root / CACHE_KINDS[kind]
-        for aside in folder.glob(f".*{REMOVED_SUFFIX}") if folder.is_dir() else ():
-            freed += disk_usage(aside)
-            shutil.rmtree(aside, ignore_errors=True)
+    for aside in leftovers(kinds, root):
+        freed += disk_usage(aside)
+        shutil.rmtree(aside, ignore_errors=True)
     return freed
 
 

@@ -89,6 +89,7 @@ def test_a_store_version_a_process_uses_is_marked_and_kept_the_rest_removed(cach
 def test_clear_all_removes_every_entry_and_what_an_interrupted_removal_left(cache):
     fill(cache)
     leftover = write(cache / "int4-codes" / f".old.99{REMOVED_SUFFIX}" / "w.safetensors", 8 * KiB)
+    assert "left by a removal cut short" in CliRunner().invoke(app, ["cache", "list"]).output
     result = CliRunner().invoke(app, ["cache", "clear", "all"])
     assert result.exit_code == 0, result.output
     assert listed() == []
