@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hearth.formats.cache_layout import WEIGHTS_CACHE_DIR_ENV
 from hearth.services.devtools.local_cluster import PREFORK_ENV
 from hearth.services.broker.cluster import EmbeddedNatsCluster
 from hearth.services.broker.server import EmbeddedNatsServer
@@ -25,6 +26,12 @@ os.environ.setdefault(PREFORK_ENV, "1")
 # (own_state_folder).
 _TEST_STATE_FOLDER = tempfile.TemporaryDirectory(prefix="hearth-test-state-")
 os.environ["XDG_STATE_HOME"] = _TEST_STATE_FOLDER.name
+# What hearth caches on a host (random checkpoints, int4 codes, parsed GGUF metadata, digests:
+# hearth/formats/cache_layout.py) goes to the suite's own folder, kept between runs (random checkpoints take a while to
+# write), not the user's: the tests' entries would evict a household's from its bounded caches (the int4 codes of eight
+# checkpoints) and fill `hearth cache list` with checkpoints long deleted. A run given HEARTH_CACHE_DIR uses that.
+TEST_CACHE_DIR = Path("~/.cache/hearth-tests").expanduser()
+os.environ.setdefault(WEIGHTS_CACHE_DIR_ENV, str(TEST_CACHE_DIR))
 
 TESTS = Path(__file__).resolve().parent
 # Every test under these folders carries the folder's marker, so that no test module can forget it.
