@@ -140,8 +140,9 @@ def remove_command(
 ) -> None:
     """Remove a stored model: its manifest first (no host starts fetching it afterwards), then every object stored
     under its name, an interrupted publication's too, but a publication's under way (objects stored within a day that
-    no manifest names yet: it ends publishing the name again). Hosts serving it from their cache go on. On a
-    community mesh only the steward's `system` key may."""
+    no manifest names yet: it ends publishing the name again). Hosts serving it from their cache go on, and each
+    host's copy stays until `hearth cache clear store NAME` there. On a community mesh only the steward's `system`
+    key may."""
     from hearth.services.broker.weights_bucket import shown_size
     from hearth.services.weights_publish import remove_model
     from hearth.services.weights_store import STORE_MODEL_PREFIX
