@@ -129,11 +129,7 @@ class GGUFCacheEntry:
         shutil.rmtree(aside, ignore_errors=True)
 
     def _create(self) -> None:
-        if self.folder.is_dir():
-            return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        describe_entry(self.folder, self.about)
-        prune_entries(self.folder.parent, keep=self.folder, max_entries=GGUF_CACHE_MAX_ENTRIES)
+        create_entry(self.folder, self.about, max_entries=GGUF_CACHE_MAX_ENTRIES)
 
 
 def gguf_cache_entry(path: str | Path) -> GGUFCacheEntry:
@@ -141,6 +137,16 @@ def gguf_cache_entry(path: str | Path) -> GGUFCacheEntry:
     path = Path(path).resolve()
     return GGUFCacheEntry(gguf_cache_root() / gguf_cache_entry_name(path, file_version(path.stat())),
                           f"the metadata of {path}")
+
+
+def create_entry(folder: Path, about: str, *, max_entries: int) -> None:
+    """Make the entry `folder` unless it is there, described as `about` (for `hearth cache`), and prune its cache's
+    entries beyond the `max_entries` most recently written."""
+    if folder.is_dir():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    describe_entry(folder, about)
+    prune_entries(folder.parent, keep=folder, max_entries=max_entries)
 
 
 def prune_entries(root: Path, *, keep: Path, max_entries: int) -> None:

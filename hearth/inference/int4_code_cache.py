@@ -29,10 +29,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from hearth.formats.cache_layout import INT4_CODE_CACHE_DIR_NAME, describe_entry, hearth_cache_dir
+from hearth.formats.cache_layout import INT4_CODE_CACHE_DIR_NAME, hearth_cache_dir
 
 from .file_version import file_version
-from .gguf_cache import ENTRY_NAME_HEX_CHARS, STAGING_SUFFIX, prune_entries
+from .gguf_cache import ENTRY_NAME_HEX_CHARS, STAGING_SUFFIX, create_entry
 from . import weight_codes
 from .weight_codes import KERNEL_DTYPE, Int4Codes
 
@@ -84,7 +84,7 @@ class Int4CodeCache:
         size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         staging = None
         try:
-            self._create()
+            create_entry(self.folder, self.about, max_entries=INT4_CODE_CACHE_MAX_ENTRIES)
             if shutil.disk_usage(self.folder).free < size + INT4_CODE_CACHE_MIN_FREE_BYTES:
                 return
             descriptor, staging = tempfile.mkstemp(dir=self.folder, prefix=f".{weight_name}.", suffix=STAGING_SUFFIX)
@@ -101,12 +101,6 @@ class Int4CodeCache:
     def _file(self, weight_name: str) -> Path:
         return self.folder / f"{weight_name}.safetensors"
 
-    def _create(self) -> None:
-        if self.folder.is_dir():
-            return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        describe_entry(self.folder, self.about)
-        prune_entries(self.folder.parent, keep=self.folder, max_entries=INT4_CODE_CACHE_MAX_ENTRIES)
 
 
 def int4_code_cache(weight_files: Iterable[Path], dtype: torch.dtype, scheme_label: str) -> Int4CodeCache | None:
