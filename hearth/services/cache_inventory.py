@@ -60,7 +60,6 @@ class Removal:
     """What removing an entry did: the bytes freed, and how many of its versions were kept because a running process
     uses them (or another process was cleaning the same model)."""
 
-    entry: CacheEntry
     freed_bytes: int
     versions_kept: int
 
@@ -91,14 +90,14 @@ def remove_entry(entry: CacheEntry) -> Removal:
         if kept == 0:
             with contextlib.suppress(OSError):
                 shutil.rmtree(entry.folder / HUB_REFS_FOLDER)  # names only commits removed now
-        return Removal(entry, max(0, entry.size_bytes - disk_usage(entry.folder)), kept)
+        return Removal(max(0, entry.size_bytes - disk_usage(entry.folder)), kept)
     aside = entry.folder.with_name(f".{entry.folder.name}.{os.getpid()}{REMOVED_SUFFIX}")
     try:
         os.rename(entry.folder, aside)
     except FileNotFoundError:  # removed meanwhile (a prune, another `hearth cache clear`)
-        return Removal(entry, 0, 0)
+        return Removal(0, 0)
     shutil.rmtree(aside, ignore_errors=True)
-    return Removal(entry, entry.size_bytes, 0)
+    return Removal(entry.size_bytes, 0)
 
 
 def leftovers(kinds: Iterable[str] = CACHE_KINDS, root: Path | None = None) -> list[Path]:
