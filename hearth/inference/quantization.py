@@ -39,7 +39,7 @@ from .int8_kernels import INT_MM_FEATURE_MULTIPLE, cuda_row_product, fbgemm_row_
     int8_rows_on_cpu, pack_for_fbgemm
 from .shared_products import SharedRowProduct
 from .weight_codes import INT4_MIDPOINT, KERNEL_DTYPE, Int4Codes, int4_codes, int4_grouped_codes, \
-    int8_per_channel, pack_int4_for_cpu, pack_int4_for_cuda, row_chunks
+    int8_per_channel, pack_int4_for_cuda, packed_int4_codes, row_chunks
 
 DEFAULT_QUANTIZATION = "none"
 # The setting that serves each checkpoint as it is stored (hearth/inference/stored_precision.py); mirrored by
@@ -178,14 +178,8 @@ class Int4Groups:
         return self.codes[first:last], torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
 
     def packed_for_cpu(self) -> Int4Codes:
-        """These codes as torch's CPU int4 kernel takes them, packed a chunk of rows at a time (row_chunks)."""
-        rows, columns = self.shape
-        packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
-        table = torch.empty(columns // self.group_size, rows, 2, dtype=KERNEL_DTYPE)
-        for first, last in row_chunks(rows):
-            codes, table[:, first:last] = self.kernel_form(first, last)
-            packed[first:last] = pack_int4_for_cpu(codes)
-        return Int4Codes(packed, table)
+        """These codes as torch's CPU int4 kernel takes them."""
+        return packed_int4_codes(self.shape, self.group_size, self.kernel_form)
 
 
 # ----------------------------------------------------------------------------------------------- memory figures

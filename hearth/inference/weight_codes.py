@@ -4,6 +4,7 @@ for CUDA), and the bytes each form holds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,16 +80,24 @@ def pack_int4_for_cpu(codes: torch.Tensor) -> torch.Tensor:
     return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
 
 
-def int4_codes(weight: torch.Tensor, group_size: int) -> Int4Codes:
-    """``int4_grouped_codes`` of ``weight``, rounded a chunk of rows at a time (row_chunks) in float32 and packed for
-    torch's CPU int4 kernel."""
-    rows, columns = weight.shape
+def packed_int4_codes(shape: tuple[int, int], group_size: int,
+                      rows_codes: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]) -> Int4Codes:
+    """A weight of `shape` packed for torch's CPU int4 kernel a chunk of rows at a time (row_chunks), `rows_codes`
+    giving rows first..last's codes 0..15 and their part of the (scale, zero) table."""
+    rows, columns = shape
     packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
     table = torch.empty(columns // group_size, rows, 2, dtype=KERNEL_DTYPE)
     for first, last in row_chunks(rows):
-        codes, table[:, first:last] = int4_grouped_codes(weight[first:last].float(), group_size)
+        codes, table[:, first:last] = rows_codes(first, last)
         packed[first:last] = pack_int4_for_cpu(codes)
     return Int4Codes(packed, table)
+
+
+def int4_codes(weight: torch.Tensor, group_size: int) -> Int4Codes:
+    """``int4_grouped_codes`` of ``weight``, rounded a chunk of rows at a time in float32 and packed for torch's CPU
+    int4 kernel."""
+    return packed_int4_codes(tuple(weight.shape), group_size,
+                             lambda first, last: int4_grouped_codes(weight[first:last].float(), group_size))
 
 
 def pack_int4_for_cuda(codes: torch.Tensor) -> torch.Tensor:
