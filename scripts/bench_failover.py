@@ -3,7 +3,8 @@ fails over.
 
 Real processes on this machine (services.devtools.local_cluster.LocalCluster): nats-server, an orchestrator with
 `--step-timeout-s`, replica shards r0-r2 (hop_weight 2) over three layer ranges of a random Llama (`--shape`,
-hearth's `tiny` by default; weights in `--quantize`'s scheme on every shard and the orchestrator's head), and for every
+hearth's `tiny` by default) or of `--model` (any checkpoint `hearth demo --model` takes: a folder, a GGUF file, a model
+Ollama pulled; weights in `--quantize`'s scheme on every shard and the orchestrator's head), and for every
 kill a fresh preferred shard (hop_weight 1) over one range (rotating first, middle, last hop).
 Each round streams one greedy request and SIGKILLs the preferred shard (`--signal stop`: SIGSTOPs it, so its
 connection stays open and only the step timeout and the liveness probe can tell) right after the client has
@@ -17,7 +18,7 @@ Reported per round and as p50/p95 (client-side instants, monotonic clock):
   re-prefill: `shard_failover` -> next token (prompt + generated tokens through the new chain, one sample).
 
 Usage: .venv/bin/python scripts/bench_failover.py [--kills 12] [--signal kill|stop] [--step-timeout-s 1.0]
-       [--shape tiny] [--quantize none|int8|int4] [--markdown]
+       [--shape tiny | --model PATH] [--quantize none|int8|int4|auto] [--markdown]
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from hearth.services.client.chat import stream_chat  # noqa: E402
 from hearth.protocol.chat import ChatParams, ChatRequest  # noqa: E402
 from hearth.protocol.chat_frames import TokenDeltaFrame  # noqa: E402
 from hearth.services.broker.connection import connect_nats  # noqa: E402
-from hearth.services.devtools.random_models import RANDOM_PREFIX, RANDOM_SHAPES, random_checkpoint  # noqa: E402
+from hearth.services.devtools.demo_model import DemoModel, resolve_demo_model  # noqa: E402
+from hearth.services.devtools.random_models import RANDOM_PREFIX, RANDOM_SHAPES  # noqa: E402
 
 PROMPT = "the quick brown fox jumps over"
 health_timeout_s = 5.0
@@ -62,13 +64,16 @@ class Round:
     reprefill_s: float
 
 
-def write_model(folder: Path, shape: str) -> Path:
-    """The random checkpoint of `shape`, served by its folder name (the shape)."""
-    return random_checkpoint(f"{RANDOM_PREFIX}{shape}", cache_dir=folder)
+def layer_ranges(model: DemoModel) -> list[tuple[int, int]]:
+    return even_layer_ranges(model.num_layers, 3)
 
 
-def layer_ranges(shape: str) -> list[tuple[int, int]]:
-    return even_layer_ranges(RANDOM_SHAPES[shape]["num_hidden_layers"], 3)
+def describe(model: DemoModel, args) -> str:
+    """The model as the report names it."""
+    if args.model is None:
+        dims = RANDOM_SHAPES[args.shape]
+        return f"random Llama `{args.shape}` ({dims['num_hidden_layers']} layers, hidden {dims['hidden_size']})"
+    return f"`{model.path.name}` ({model.num_layers} layers)"
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -114,9 +119,9 @@ def measure(hop: int, frames, times, killed_at) -> Round:
                  reprefill_s=times[after] - times[failover_i])
 
 
-async def run_rounds(cluster: LocalCluster, model_path: Path, db_path: Path, args) -> list[Round]:
+async def run_rounds(cluster: LocalCluster, model: DemoModel, db_path: Path, args) -> list[Round]:
     nc = await connect_nats(cluster.nats_url, name="bench-failover", settings=cluster.nats_settings())
-    request = ChatRequest(model=args.shape, prompt=PROMPT, max_tokens=args.max_tokens, temperature=0.0,
+    request = ChatRequest(model=model.argument, prompt=PROMPT, max_tokens=args.max_tokens, temperature=0.0,
                           params=ChatParams(fallback_to_local=False))
     rounds: list[Round] = []
     try:
@@ -125,11 +130,11 @@ async def run_rounds(cluster: LocalCluster, model_path: Path, db_path: Path, arg
         if frames[-1].type != "done" or len(reference) <= args.kill_after_tokens:
             raise RuntimeError(f"reference run too short: {frames[-1]}")
         for number in range(args.kills):
-            ranges = layer_ranges(args.shape)
+            ranges = layer_ranges(model)
             hop = number % len(ranges)
             lo, hi = ranges[hop]
             victim = await asyncio.to_thread(
-                cluster.start_shard, str(model_path), lo, hi, node_id=f"victim{number}",
+                cluster.start_shard, model.argument, lo, hi, node_id=f"victim{number}",
                 extra_args=["--hop-weight", "1.0", "--heartbeat-s", str(heartbeat_s), "--quantize", args.quantize])
             shard_id = victim.ready_file.read_text().strip()
             await wait_routable(db_path, shard_id)
@@ -154,13 +159,12 @@ async def run_rounds(cluster: LocalCluster, model_path: Path, db_path: Path, arg
     return rounds
 
 
-def report(rounds: list[Round], args, command: str) -> str:
+def report(rounds: list[Round], model: DemoModel, args, command: str) -> str:
     def row(name: str, values: list[float]) -> str:
         return (f"| {name} | {percentile(values, 50) * 1000:.0f} | {percentile(values, 95) * 1000:.0f} | "
                 f"{max(values) * 1000:.0f} |")
 
     what = "dies (SIGKILL)" if args.signal == "kill" else "freezes (SIGSTOP)"
-    dims = RANDOM_SHAPES[args.shape]
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = [
         f"## Failover: the pause a client sees when a shard host {what} mid-generation",
@@ -169,7 +173,7 @@ def report(rounds: list[Round], args, command: str) -> str:
         f"{os.cpu_count()} CPUs (load average {load} at the end, shared with other work), "
         f"Python {platform.python_version()}. {len(rounds)} SIG{args.signal.upper()}s of the preferred shard "
         f"(first, middle and last hop in turn) after {args.kill_after_tokens} streamed tokens of a {args.max_tokens}-token greedy "
-        f"request; random Llama `{args.shape}` ({dims['num_hidden_layers']} layers, hidden {dims['hidden_size']}), "
+        f"request; {describe(model, args)}, "
         f"weights {args.quantize}, on 3 hops, one replica per hop; step timeout "
         f"{args.step_timeout_s} s. Every round completed with exactly one `shard_failover` and the tokens of an "
         "uninterrupted run. Client-side instants.",
@@ -202,7 +206,10 @@ def main() -> int:
     parser.add_argument("--signal", choices=("kill", "stop"), default="kill",
                         help="SIGKILL the shard host (it dies) or SIGSTOP it (frozen, connection open)")
     parser.add_argument("--shape", default="tiny", choices=sorted(RANDOM_SHAPES), help="random model shape")
-    parser.add_argument("--quantize", default="none", help="every shard's and the head's scheme: none, int8, int4[/gN]")
+    parser.add_argument("--model", help="any checkpoint `hearth demo --model` takes instead of a random shape (a "
+                                        "folder, a GGUF file, ollama:NAME[:TAG])")
+    parser.add_argument("--quantize", default="none",
+                        help="every shard's and the head's scheme: none, int8, int4[/gN], auto (a GGUF's own)")
     parser.add_argument("--markdown", action="store_true", help="print the BENCHMARKS.md section at the end")
     args = parser.parse_args()
     if args.kills < 1:
@@ -210,26 +217,26 @@ def main() -> int:
     command = ".venv/bin/python scripts/bench_failover.py " + " ".join(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="hearth-bench-failover-") as tmp:
         work = Path(tmp)
-        model_path = write_model(work / "models", args.shape)
+        model = resolve_demo_model(args.model or f"{RANDOM_PREFIX}{args.shape}")
         env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_S": str(health_timeout_s)}
         db_path = work / "routing.sqlite"
         with LocalCluster(work_dir=work / "cluster", torch_threads=1, extra_env=env) as cluster:
             cluster.start_nats()
-            for hop, (lo, hi) in enumerate(layer_ranges(args.shape)):
-                cluster.start_shard(str(model_path), lo, hi, node_id=f"r{hop}", wait_ready=False,
+            for hop, (lo, hi) in enumerate(layer_ranges(model)):
+                cluster.start_shard(model.argument, lo, hi, node_id=f"r{hop}", wait_ready=False,
                                     extra_args=["--hop-weight", "2.0", "--heartbeat-s", str(heartbeat_s),
                                                 "--quantize", args.quantize])
             cluster.start_orchestrator(extra_args=[
-                "--models-dir", str(model_path.parent), "--preload", args.shape, "--db", str(db_path),
+                "--preload", model.argument, "--db", str(db_path),
                 "--step-timeout-s", str(args.step_timeout_s), "--quantize", args.quantize], wait_ready=False)
             cluster.wait_all_ready()
             try:
-                rounds = asyncio.run(run_rounds(cluster, model_path, db_path, args))
+                rounds = asyncio.run(run_rounds(cluster, model, db_path, args))
             except Exception:
                 for process in cluster.processes:
                     print(f"----- {process.name} -----\n{process.log_tail(3000)}", file=sys.stderr)
                 raise
-    text = report(rounds, args, command)
+    text = report(rounds, model, args, command)
     print()
     print(text if args.markdown else text.split("```\n", 2)[-1])
     return 0
