@@ -175,12 +175,12 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
 
 def rewrite_gguf(source: Path, path: Path, architecture: str,
                  replace: Callable[[str, np.ndarray], tuple[np.ndarray, GGMLQuantizationType | None]]) -> Path:
-    """A copy of the GGUF `source` at `path` with its architecture's keys and the eos id, each tensor written as
+    """A copy of the GGUF `source` at `path` with its architecture's keys and its tokenizer, each tensor written as
     `replace(name, values)` gives it back (values, and the GGML type of raw blocks or None)."""
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(str(path), architecture)
     for key, field in reader.fields.items():
-        if key.startswith(f"{architecture}.") or key == "tokenizer.ggml.eos_token_id":
+        if key.startswith((f"{architecture}.", "tokenizer.")):
             writer.add_key_value(key, field.contents(), field.types[0])
     for tensor in reader.tensors:
         values, raw_type = replace(tensor.name, np.array(tensor.data))
