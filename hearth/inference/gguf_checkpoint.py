@@ -31,6 +31,7 @@ from .architectures import adapter_for
 from .errors import CheckpointError, first_line
 from .file_version import FileVersion, file_version
 from .gguf_cache import gguf_cache_entry
+from .gguf_config_stand_in import transformers_gguf_config
 from .gguf_config import completed_config_of_file
 from hearth.formats.gguf_support import FLOAT_GGUF_TYPE_NAMES, GGUF_SUFFIX, SUPPORTED_GGUF_ARCHITECTURES, is_gguf_file
 from .gguf_header import checked_gguf_header, read_gguf_header
@@ -70,8 +71,8 @@ def single_gguf_in(folder: Path) -> Path | None:
 
 def gguf_config_dict(path: Path) -> dict:
     """The HF config of a GGUF as a plain dict (what config.json would hold), from its metadata alone (through
-    transformers' ``AutoConfig.from_pretrained(..., gguf_file=...)``); parsed once per file version, then read from
-    the disk cache."""
+    transformers' ``AutoConfig.from_pretrained(..., gguf_file=...)`` of a stand-in without the vocabulary,
+    hearth/inference/gguf_config_stand_in.py); parsed once per file version, then read from the disk cache."""
     path = Path(path).resolve()
     return dict(_cached_config(str(path), file_version(path.stat())))
 
@@ -92,12 +93,10 @@ def _cached_config(path_text: str, version: FileVersion) -> dict:
 def parsed_gguf_config(path: Path) -> dict:
     """The HF config of the GGUF at `path` parsed from its metadata (its header checked first), with no cache read or
     written (`hearth doctor` reads only); CheckpointError (one line) for a file hearth does not serve."""
-    from transformers import AutoConfig
-
-    checked_gguf_header(path)
+    header = checked_gguf_header(path)
     supported = ", ".join(SUPPORTED_GGUF_ARCHITECTURES)
     try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        config = transformers_gguf_config(path, header)
     except Exception as exc:  # transformers' reader and its config checks raise many kinds (struct.error and others)
         raise CheckpointError(
             f"{path.name} is not a GGUF hearth can read (truncated, corrupt, or an architecture other than "
@@ -164,7 +163,7 @@ class GGUFCheckpoint:
     Same interface as SafetensorsCheckpoint: ``__contains__``, ``names()``, ``read()``; ``bytes_read`` counts the
     stored (quantized) bytes of what was read.
 
-    The tensor table comes from the gguf package's GGUFReader (gguf_table); each tensor's bytes are then read
+    The tensor table comes from the file's header (gguf_table); each tensor's bytes are then read
     through a memory map of just that tensor, closed once it is dequantized, so a shard's process keeps no mapping
     of the file (none of its pages count in its memory) once loaded.
     """

@@ -70,6 +70,17 @@ class HeaderIncomplete(Exception):
 
 
 @dataclass(frozen=True)
+class MetadataEntry:
+    """Where one key/value of the header lies (from its key's length to its value's end), and its array's item
+    count when the value is an array."""
+
+    key: str
+    start: int
+    end: int
+    array_items: int | None
+
+
+@dataclass(frozen=True)
 class ParsedGGUFHeader:
     """A GGUF header parsed from leading bytes: its split (tensor infos and where each tensor's bytes lie), and the
     architecture it names."""
@@ -79,6 +90,8 @@ class ParsedGGUFHeader:
     # Scalar and string values by key, short arrays of scalars as lists; longer arrays (the vocabulary and the like)
     # are skipped and read as None.
     metadata: dict[str, object] = field(default_factory=dict)
+    # Every key/value as laid out, in file order (the byte spans lie within split.kv_end).
+    metadata_entries: tuple[MetadataEntry, ...] = ()
 
 
 class _Cursor:
@@ -86,6 +99,7 @@ class _Cursor:
         self.buffer = buffer
         self.file_name = file_name
         self.position = 0
+        self.array_items: int | None = None  # of the last array value read at the top level
 
     def take(self, count: int) -> bytes:
         end = self.position + count
@@ -115,6 +129,8 @@ class _Cursor:
             raise CheckpointError(f"{self.file_name}'s header is corrupt (metadata arrays nested deeper than "
                                   f"{MAX_ARRAY_NESTING})")
         item_type, count = self.unpack("<I"), self.unpack("<Q")
+        if not nesting:
+            self.array_items = count
         if item_type in FIXED_TYPE_FORMATS and count <= MAX_READ_ARRAY_ITEMS:
             return list(struct.unpack(f"<{count}{FIXED_TYPE_FORMATS[item_type].lstrip('<')}",
                                       self.take(count * struct.calcsize(FIXED_TYPE_FORMATS[item_type]))))
@@ -145,10 +161,12 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
     tensor_count, kv_count = cursor.unpack("<Q"), cursor.unpack("<Q")
     if tensor_count > MAX_TENSOR_COUNT or kv_count > MAX_KV_COUNT:
         raise CheckpointError(f"{file_name}'s header is corrupt ({tensor_count} tensors, {kv_count} keys)")
-    metadata = {}
+    metadata, entries = {}, []
     for _ in range(kv_count):
+        start, cursor.array_items = cursor.position, None
         key = cursor.string().decode("utf-8", errors="replace")
         metadata[key] = cursor.value(cursor.unpack("<I"))
+        entries.append(MetadataEntry(key, start, cursor.position, cursor.array_items))
     check_not_split(metadata, file_name)
     kv_end = cursor.position
     infos = []
@@ -189,7 +207,7 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
     split = GGUFSplit(header_bytes=data_start, kv_end=kv_end, alignment=alignment, tensors=tuple(tensors))
     architecture = metadata.get(ARCHITECTURE_KEY)
     return ParsedGGUFHeader(split=split, architecture=architecture if isinstance(architecture, str) else None,
-                            metadata=metadata)
+                            metadata=metadata, metadata_entries=tuple(entries))
 
 
 def _tensor_name(cursor: _Cursor, index: int, file_name: str) -> str:

@@ -1,10 +1,11 @@
-"""A GGUF's tensor table (each tensor's block type, where its bytes lie, its shapes) and stop tokens, read by the gguf
-package's reader once per file version and kept in hearth's GGUF cache (hearth/inference/gguf_cache.py)."""
+"""A GGUF's tensor table (each tensor's block type, where its bytes lie, its shapes) and stop tokens, taken from the
+header hearth's bounded parser reads (hearth/inference/gguf_header.py) once per file version and kept in hearth's GGUF
+cache (hearth/inference/gguf_cache.py). Not from the gguf package's reader: it parses every metadata array item by
+item, a real vocabulary's for seconds (BENCHMARKS.md "GGUF start-up"), where the table needs none of them."""
 
 from __future__ import annotations
 
 import functools
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,21 +32,6 @@ def gguf_package():
     import gguf
 
     return gguf
-
-
-def open_reader(path: Path):
-    """The gguf package's memory-mapped reader over `path`; CheckpointError when it is truncated, not GGUF, or of
-    an architecture hearth does not serve (checked_gguf_header first)."""
-    checked_gguf_header(path)
-    try:
-        reader = gguf_package().GGUFReader(path)
-    except (ValueError, IndexError, OSError, TypeError, KeyError, struct.error, RecursionError) as exc:
-        raise CheckpointError(f"{path.name} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
-    return reader
-
-
-def _field_value(reader, key: str):
-    return None if (field := reader.fields.get(key)) is None else field.contents()
 
 
 @dataclass(frozen=True)
@@ -91,16 +77,43 @@ def _cached_table(path_text: str, version: FileVersion) -> GGUFTable:
 
 
 def _parsed_table(path: Path) -> GGUFTable:
-    reader = open_reader(path)
-    tensors = tuple(
-        StoredTensor(t.name, t.tensor_type, int(t.data_offset), int(t.n_bytes), t.data.dtype, tuple(t.data.shape),
-                     tuple(int(d) for d in reversed(t.shape.tolist())))
-        for t in reader.tensors
-    )
-    stated = (_field_value(reader, key) for key in STOP_TOKEN_KEYS)
-    stop_ids = frozenset(int(token) for value in stated if value is not None
-                         for token in (value if isinstance(value, list) else [value]))
-    return GGUFTable(_field_value(reader, "general.architecture"), tensors, stop_ids)
+    """The table of the text model's tensors, each stored array typed as the gguf package's reader types it (plain
+    floats and integers as themselves, blocks as bytes); CheckpointError when the header is truncated or corrupt, of
+    an architecture hearth does not serve, names a tensor twice or states stop tokens that are no token ids."""
+    header = checked_gguf_header(path)
+    gguf = gguf_package()
+    tensors, names = [], set()
+    for tensor in header.split.tensors:
+        if tensor.name in names:
+            raise CheckpointError(f"{path.name}'s header is corrupt (it names tensor {tensor.name} twice)")
+        names.add(tensor.name)
+        block_type = gguf.GGMLQuantizationType[tensor.block_type]
+        plain = _PLAIN_ARRAY_TYPES.get(tensor.block_type)
+        if plain is None and not tensor.shape:
+            raise CheckpointError(f"{path.name}'s header is corrupt (tensor {tensor.name} is stored in blocks but has "
+                                  "no dimensions)")
+        stored_shape = tensor.shape if plain is not None else gguf.quants.quant_shape_to_byte_shape(tensor.shape,
+                                                                                                 block_type)
+        tensors.append(StoredTensor(tensor.name, block_type, tensor.data_start, tensor.n_bytes,
+                                    np.dtype(plain or np.uint8), tuple(stored_shape), tensor.shape))
+    stated = (header.metadata.get(key) for key in STOP_TOKEN_KEYS)
+    try:
+        stop_ids = frozenset(_token_id(token) for value in stated if value is not None
+                             for token in (value if isinstance(value, list) else [value]))
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{path.name} states stop tokens that are no token ids") from None
+    return GGUFTable(header.architecture, tuple(tensors), stop_ids)
+
+
+# The GGML types the gguf package's reader gives as arrays of their own values (every other as blocks of bytes).
+_PLAIN_ARRAY_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                      "I32": np.int32, "I64": np.int64}
+
+
+def _token_id(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is no token id")
+    return value
 
 
 def _table_to_json(table: GGUFTable) -> dict:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import shutil
 
+import gguf
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 
 from hearth.inference import CheckpointError, load_head, load_layer_range, read_config_dict, resolve_model_path, \
     weights_sha256
-from hearth.inference.gguf_tensor_table import open_reader
 from hearth.inference.gguf_parts import split_gguf
 from hearth.inference.hub_fetch import hub_layout
 from hearth.inference.hub_gguf import METADATA_FOLDER, SPANS_FOLDER, coalesced_spans
@@ -79,7 +79,7 @@ def test_a_shard_reads_only_its_ranges_tensors_and_loads_them_as_from_the_file(s
 
     assert path.name == FILE and hub.downloaded(REPO) == set()  # no whole-file GET, byte ranges only
     assert hub.bytes_sent < original.stat().st_size // 2
-    assert {tensor.name.split(".")[1] for tensor in open_reader(path).tensors} == {"2", "3"}
+    assert {tensor.name.split(".")[1] for tensor in gguf.GGUFReader(path).tensors} == {"2", "3"}
     _assert_same_range(path, original, 2, 3)
     assert weights_sha256(path, cache_dir=tmp_path / "s1") == weights_sha256(original, cache_dir=tmp_path / "s2")
 
@@ -139,7 +139,7 @@ def test_a_range_read_by_ranges_holds_the_tensors_every_layer_reads(served, tmp_
 
     part = resolve_model_path(f"{REPO}:llama3.gguf", needed_layers=(4, 5))
 
-    assert "rope_freqs.weight" in {tensor.name for tensor in open_reader(part).tensors}
+    assert "rope_freqs.weight" in {tensor.name for tensor in gguf.GGUFReader(part).tensors}
     assert read_config_dict(part)["rope_parameters"] == read_config_dict(path)["rope_parameters"]
     _assert_same_range(part, path, 4, 5)
 

@@ -1,0 +1,75 @@
+"""A GGUF's config read from a stand-in of its metadata without the tokenizer's long arrays
+(hearth/inference/gguf_config_stand_in.py) is the config transformers reads from the whole file."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from transformers import AutoConfig
+
+from hearth.inference.gguf_config_stand_in import stand_in_bytes, transformers_gguf_config
+from hearth.inference.gguf_header import MAX_READ_ARRAY_ITEMS, read_gguf_header
+
+from .gguf_files import GGUF_TINY_CONFIGS, own_cache, write_tiny_gguf  # noqa: F401  (own_cache: fixture)
+
+LONG_VOCABULARY = 3 * MAX_READ_ARRAY_ITEMS
+
+
+def whole_file_config(path) -> dict:
+    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
+
+
+def stand_in_config(path) -> dict:
+    return transformers_gguf_config(path, read_gguf_header(path)).to_dict()
+
+
+@pytest.mark.parametrize("architecture", sorted(GGUF_TINY_CONFIGS))
+def test_the_stand_in_gives_the_whole_files_config(tmp_path, architecture):
+    path, _ = write_tiny_gguf(tmp_path, architecture, GGMLQuantizationType.F32)
+
+    assert stand_in_config(path) == whole_file_config(path)
+
+
+def test_a_tied_and_an_untied_head_are_told_apart_by_the_files_tensors(tmp_path):
+    tied, _ = write_tiny_gguf(tmp_path / "tied", "qwen3", GGMLQuantizationType.F32)  # no output.weight
+    untied, _ = write_tiny_gguf(tmp_path / "untied", "llama", GGMLQuantizationType.F32)
+
+    assert stand_in_config(tied)["tie_word_embeddings"] is True
+    assert stand_in_config(untied)["tie_word_embeddings"] is False
+
+
+def long_vocabulary_gguf(source, path):
+    """`source` rewritten with a vocabulary of LONG_VOCABULARY tokens and no `llama.vocab_size` (transformers then
+    counts the tokens)."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("llama.") and key != "llama.vocab_size":
+            writer.add_key_value(key, field.contents(), field.types[0])
+    tokens = [f"token{index}" for index in range(LONG_VOCABULARY)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    writer.add_token_merges([f"token {index}" for index in range(LONG_VOCABULARY)])
+    writer.add_eos_token_id(2)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_long_vocabulary_is_left_out_and_counted(tmp_path):
+    source, _ = write_tiny_gguf(tmp_path, "llama", GGMLQuantizationType.F32)
+    path = long_vocabulary_gguf(source, tmp_path / "long.gguf")
+    header = read_gguf_header(path)
+
+    assert "llama.vocab_size" not in header.metadata
+    assert len(stand_in_bytes(path, header)) < header.split.kv_end // 10
+    config = stand_in_config(path)
+    assert config["vocab_size"] == LONG_VOCABULARY
+    assert config == whole_file_config(path)
