@@ -227,3 +227,15 @@ def test_a_gguf_without_a_token_list_loads_a_head_without_a_tokenizer(source, tm
     # rewritten() keeps the end-of-sequence id but no tokenizer.ggml.tokens: transformers' reader raised KeyError.
     head = load_head(rewritten(source, tmp_path / "no-tokens.gguf"))
     assert not head.has_tokenizer
+
+
+def test_a_tensor_named_twice_is_refused_in_one_line(source, tmp_path):
+    """The tensor table comes from hearth's header parser (the gguf package's reader, which refused this, is not run
+    on a shard's start): a second info naming a tensor would have replaced the first one's bytes silently."""
+    data = bytearray(source.read_bytes())
+    first, second = b"blk.0.attn_q.weight", b"blk.0.attn_k.weight"  # the same length: only the name changes
+    at = data.index(struct.pack("<Q", len(second)) + second)
+    data[at + 8:at + 8 + len(second)] = first
+    path = tmp_path / "twice.gguf"
+    path.write_bytes(bytes(data))
+    refused(path, "twice.gguf's header is corrupt", "names tensor blk.0.attn_q.weight twice")
