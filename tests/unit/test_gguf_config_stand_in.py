@@ -4,16 +4,15 @@
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFValueType
 from transformers import AutoConfig
 
 from hearth.inference.gguf_config_stand_in import stand_in_bytes, transformers_gguf_config
 from hearth.inference.gguf_header import MAX_READ_ARRAY_ITEMS, read_gguf_header
 from hearth.services.devtools.demo_model import real_demo_model_path
 
-from .gguf_files import GGUF_TINY_CONFIGS, own_cache, write_tiny_gguf  # noqa: F401  (own_cache: fixture)
+from .gguf_files import DROP, GGUF_TINY_CONFIGS, own_cache, rewritten, write_tiny_gguf  # noqa: F401  (own_cache: fixture)
 
 LONG_VOCABULARY = 3 * MAX_READ_ARRAY_ITEMS
 
@@ -44,24 +43,13 @@ def test_a_tied_and_an_untied_head_are_told_apart_by_the_files_tensors(tmp_path)
 def long_vocabulary_gguf(source, path):
     """`source` rewritten with a vocabulary of LONG_VOCABULARY tokens and no `llama.vocab_size` (transformers then
     counts the tokens)."""
-    reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("llama.") and key != "llama.vocab_size":
-            writer.add_key_value(key, field.contents(), field.types[0])
     tokens = [f"token{index}" for index in range(LONG_VOCABULARY)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
-    writer.add_token_merges([f"token {index}" for index in range(LONG_VOCABULARY)])
-    writer.add_eos_token_id(2)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, np.array(tensor.data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return rewritten(source, path, keys={
+        "llama.vocab_size": DROP,
+        "tokenizer.ggml.model": ("gpt2", GGUFValueType.STRING),
+        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
+        "tokenizer.ggml.token_type": ([int(gguf.TokenType.NORMAL)] * len(tokens), GGUFValueType.ARRAY),
+        "tokenizer.ggml.merges": ([f"token {index}" for index in range(LONG_VOCABULARY)], GGUFValueType.ARRAY)})
 
 
 def test_a_long_vocabulary_is_left_out_and_counted(tmp_path):

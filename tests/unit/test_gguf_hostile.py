@@ -20,35 +20,7 @@ from hearth.inference.gguf_parts import stored_parts, write_gguf_folder
 from hearth.services.devtools.demo_model import real_demo_model_path
 from tests.runner_limits import RUNNER_KV_LIMITS
 
-from .gguf_files import own_cache, rewrite_gguf, tiny_gguf  # noqa: F401  (fixtures)
-
-DROP = object()
-
-
-def rewritten(source: Path, path: Path, *, keys: dict | None = None,
-              tensors: dict[str, np.ndarray] | None = None) -> Path:
-    """A copy of the llama GGUF `source` at `path`: metadata `keys` set (DROP: left out; a new key as (value,
-    GGUFValueType)), `tensors` given new values."""
-    keys, tensors = keys or {}, tensors or {}
-    reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, field in reader.fields.items():
-        if (key.startswith("llama.") or key == "tokenizer.ggml.eos_token_id") and keys.get(key) is not DROP:
-            value = keys.pop(key, field.contents())
-            writer.add_key_value(key, *(value if isinstance(value, tuple) else (value, field.types[0])))
-    for key, (value, value_type) in ((k, v) for k, v in keys.items() if v is not DROP):
-        writer.add_key_value(key, value, value_type)
-    for tensor in reader.tensors:
-        if tensor.name in tensors:
-            writer.add_tensor(tensor.name, tensors[tensor.name])
-        else:
-            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
+from .gguf_files import DROP, own_cache, rewrite_gguf, rewritten, tiny_gguf  # noqa: F401  (fixtures)
 
 def patched_info(source: Path, path: Path, name: str, *, block_type: GGMLQuantizationType | None = None,
                  offset: int | None = None) -> Path:
