@@ -25,10 +25,11 @@ from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
 pytestmark = pytest.mark.timeout(600)
 
 RANGES = [(0, 2), (3, 5)]
-# The two partial shards ask to be used last (a weight above 1 is always honoured): a chain of both then costs well
-# over the whole replica alone whatever each one's measured step time, so which chain an unchecked call takes does not
-# rest on step times measured on a loaded machine.
-PARTIAL_WEIGHT = 3.0
+# The two partial shards ask to be used last (a weight above 1 is always honoured), by so much that a chain of both
+# costs more than the whole replica alone even when that replica's measured step is many times theirs or a
+# heartbeat sent while it checked the call before says it has steps queued: which chain an unchecked call takes
+# must not rest on step times and queues measured on a loaded machine.
+PARTIAL_WEIGHT = 50.0
 MESH_ENV = {"HEARTH_VERIFICATION__CANARY_INTERVAL_S": "0"}
 
 
