@@ -138,9 +138,29 @@ def load_gguf_tokenizer(path: Path):
 
 
 def _parsed_tokenizer(path: Path):
+    """The GGUF's tokenizer built by transformers from the file, of the class AutoTokenizer would pick. Where nothing
+    but the model's type names that class, it is taken from the config this module parsed without the vocabulary
+    (gguf_config_dict), and the vocabulary is read once, by the tokenizer: AutoTokenizer itself reads a llama-family
+    file's config through the gguf package's reader, which decodes the whole vocabulary a second time (BENCHMARKS.md,
+    "GGUF start-up")."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer_class = _tokenizer_class_by_model_type(path) or AutoTokenizer
+    return tokenizer_class.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def _tokenizer_class_by_model_type(path: Path):
+    """The tokenizer class AutoTokenizer maps the GGUF's model type to (its rule when neither a tokenizer_config.json
+    beside the file nor the config names one), or None where another of its rules could apply: a class named there,
+    or Mistral's own tokenizer format."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING, get_tokenizer_config
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    config = gguf_config(path)
+    if getattr(config, "tokenizer_class", None) or get_tokenizer_config(path.parent):
+        return None
+    tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    return None if tokenizer_class is None or tokenizer_class.__name__ == "MistralCommonBackend" else tokenizer_class
 
 
 def _gguf_to_hf_names(model: nn.Module, architecture: str, num_layers: int) -> dict[str, str]:

@@ -53,6 +53,8 @@ MAX_GGUF_BLOCK_COUNT = 4096
 CHECKED_HEADERS_KEPT = 4
 # GGUF value type ids (the specification's gguf_type) and the bytes of each fixed-size one.
 STRING_TYPE = 8
+# A string's length, before its bytes.
+STRING_LENGTH = struct.Struct("<Q")
 ARRAY_TYPE = 9
 FIXED_TYPE_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
                       12: "<d"}
@@ -109,6 +111,24 @@ class _Cursor:
         self.position = end
         return chunk
 
+    def skip(self, count: int) -> None:
+        end = self.position + count
+        if end > len(self.buffer):
+            raise HeaderIncomplete(end)
+        self.position = end
+
+    def skip_strings(self, count: int) -> None:
+        """Past `count` strings (a vocabulary's tokens or merges), none decoded nor copied: a real vocabulary holds
+        hundreds of thousands."""
+        buffer, position, size = self.buffer, self.position, len(self.buffer)
+        for _ in range(count):
+            if position + STRING_LENGTH.size > size:
+                raise HeaderIncomplete(position + STRING_LENGTH.size)
+            position += STRING_LENGTH.size + STRING_LENGTH.unpack_from(buffer, position)[0]
+        if position > size:
+            raise HeaderIncomplete(position)
+        self.position = position
+
     def unpack(self, fmt: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
@@ -135,7 +155,9 @@ class _Cursor:
             return list(struct.unpack(f"<{count}{FIXED_TYPE_FORMATS[item_type].lstrip('<')}",
                                       self.take(count * struct.calcsize(FIXED_TYPE_FORMATS[item_type]))))
         if item_type in FIXED_TYPE_FORMATS:
-            self.take(count * struct.calcsize(FIXED_TYPE_FORMATS[item_type]))
+            self.skip(count * struct.calcsize(FIXED_TYPE_FORMATS[item_type]))
+        elif item_type == STRING_TYPE:
+            self.skip_strings(count)
         else:
             for _ in range(count):
                 self.value(item_type, nesting + 1)

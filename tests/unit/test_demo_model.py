@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
+from hearth.inference.gguf_cache import gguf_cache_entry
 from hearth.services.devtools import demo_model
 from hearth.services.devtools.demo_model import (
     FACTUAL_QUESTION,
@@ -150,9 +151,8 @@ def test_a_gguf_no_shard_serves_is_refused_in_the_shards_words(unservable_ggufs)
 
 def test_a_description_kept_before_the_checks_ran_is_read_again(unservable_ggufs):
     mamba, _ = unservable_ggufs
-    kept = demo_model.gguf_cache_entry_folder(mamba.resolve()) / demo_model.GGUF_DESCRIPTION_CACHE_FILE
-    kept.parent.mkdir(parents=True)
-    kept.write_text('{"num_layers": 1, "has_chat_template": false}')
+    gguf_cache_entry(mamba).write_json(demo_model.GGUF_DESCRIPTION_CACHE_NAME,
+                                       {"num_layers": 1, "has_chat_template": False})
     with pytest.raises(DemoError, match="holds a 'mamba' model"):
         resolve_demo_model(str(mamba))
 

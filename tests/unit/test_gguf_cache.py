@@ -18,7 +18,6 @@ from tests.runner_limits import RUNNER_KV_LIMITS
 from hearth.inference.gguf_cache import GGUFCacheEntry, gguf_cache_entry
 from hearth.inference.gguf_checkpoint import gguf_config_dict, load_gguf_tokenizer
 from hearth.inference.gguf_tensor_table import gguf_table
-from hearth.services.devtools import demo_model
 from hearth.services.devtools.demo_model import resolve_demo_model
 
 from .gguf_files import write_tiny_gguf
@@ -116,7 +115,6 @@ def test_a_file_rewritten_with_its_size_and_mtime_restored_is_parsed_again(tmp_p
 
     assert gguf_table(path) == first and parses["table"] == 2  # parsed again, not served from the old entry
     assert gguf_cache_entry(path).folder != old_entry
-    assert demo_model.gguf_cache_entry_folder(path.resolve()) == gguf_cache_entry(path).folder
 
 
 def test_an_unwritable_cache_only_costs_a_parse(tiny_gguf_file, tmp_path, monkeypatch, parses):
@@ -193,6 +191,5 @@ def test_the_demo_keeps_its_description_in_the_same_entry(tiny_gguf_file):
     model = resolve_demo_model(str(tiny_gguf_file))
 
     entry = gguf_cache_entry(tiny_gguf_file)
-    assert demo_model.gguf_cache_entry_folder(tiny_gguf_file.resolve()) == entry.folder
     assert entry.read_json("demo-description") == {"architecture": "llama", "num_layers": model.num_layers,
                                                    "has_chat_template": True}

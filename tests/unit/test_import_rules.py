@@ -115,7 +115,10 @@ THIRD_PARTY_BANS: dict[str, tuple[str, ...]] = {
 # Modules whose whole import must leave torch and transformers unloaded (they start fast, run where no model is).
 LIGHT_PACKAGES = ("events", "formats", "protocol", "readmodels", "services.broker", "services.client",
                   "services.common", "services.projector", "services.replay", "trust")
-LIGHT_MODULES = ("services.cli",)
+# `hearth demo`'s parent describes a GGUF with the header parser every shard runs (inference's package imports its
+# names lazily for this) and keeps it in the GGUF cache, all before it starts anything.
+LIGHT_MODULES = ("services.cli", "services.devtools.demo_model", "inference.gguf_header", "inference.gguf_cache",
+                 "inference.ollama_models")
 
 
 def owner(module: str) -> str | None:

