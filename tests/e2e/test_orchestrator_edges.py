@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hearth.protocol.subjects import LinkNodes
+from hearth.protocol.subjects import LinkNodes, keepalive_subject
 from hearth.inference import weights_sha256
 from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.devtools.managed_process import ManagedProcess
@@ -24,6 +24,7 @@ from hearth.services.common.config import TransportSettings
 from hearth.services.common.config_sections import ClientSettings
 from hearth.protocol.control import OpenHop
 from hearth.services.transport import AckWindowSender, ActivationReceiver, FrameKind, StepInfo
+from hearth.services.transport.keepalives import KeepaliveSender
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     open_hop_as_orchestrator,
     ShardHandle,
@@ -130,7 +131,11 @@ async def test_a_liveness_probe_is_answered_while_the_shard_runs_a_long_prefill(
         await sender.send(StepInfo(session=session_id, step=1, kind=FrameKind.prefill, pos=0), hidden)
         output = asyncio.create_task(sink.next_step(timeout_s=60))
         latencies = []
+        keepalives = KeepaliveSender(0, [])  # the hop was opened without a notice key: its keepalives carry no MAC
         while not output.done():
+            # As its orchestrator would while it waits: the hop is not taken for orphaned however long the prefill
+            # runs on a loaded machine.
+            await keepalives.publish(nc, keepalive_subject(pipeline_id))
             started = time.perf_counter()
             await shard_stat(nc, wide)
             if not output.done():  # answered while the prefill was still running

@@ -136,8 +136,10 @@ async def test_the_sweeper_thread_sweeps_again_and_again_and_stops(community_ser
             await eve.jetstream().add_consumer(PIPELINES_STREAM, ConsumerConfig(
                 name=name, ack_policy=AckPolicy.NONE, deliver_subject="hearth.act.somewhere"))
             deadline = asyncio.get_running_loop().time() + SWEEP_WAIT_S
-            while name in await consumer_names(steward, PIPELINES_STREAM):
-                assert asyncio.get_running_loop().time() < deadline, f"{name} was never swept"
+            # Reported once the sweep that deleted it has ended: a moment after it is gone.
+            while (name in await consumer_names(steward, PIPELINES_STREAM)
+                   or name not in [entry.name for entry in reported]):
+                assert asyncio.get_running_loop().time() < deadline, f"{name} was never swept and reported"
                 await asyncio.sleep(0.1)
         assert [entry.name for entry in reported] == ["pushes-elsewhere-0", "pushes-elsewhere-1"]
     finally:
