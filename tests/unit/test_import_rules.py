@@ -300,3 +300,17 @@ def test_no_import_cycles():
         if len(component) > 1
     ]
     assert not cycles, "import cycles (deferred imports included):\n" + "\n".join(cycles)
+
+
+def test_the_inference_package_exports_every_name_it_lists_from_its_module():
+    """hearth.inference imports its names when first used: each one it lists resolves, to the object its module
+    defines, and nothing it lists is missing from the map that says where each lives."""
+    import importlib
+
+    import hearth.inference as inference
+
+    assert sorted(inference.__all__) == sorted(inference._EXPORTED_FROM)
+    for name, module in inference._EXPORTED_FROM.items():
+        assert getattr(inference, name) is getattr(importlib.import_module(module, "hearth.inference"), name)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        inference.not_a_name  # noqa: B018
