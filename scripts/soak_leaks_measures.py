@@ -13,7 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from hearth.services.broker.server import EmbeddedNatsServer, free_tcp_port
+from hearth.services.broker.listen_ports import free_tcp_port
+from hearth.services.broker.server import EmbeddedNatsServer
 from hearth.services.broker.streams import create_community_streams_blocking
 from hearth.services.devtools.local_cluster import LocalCluster
 

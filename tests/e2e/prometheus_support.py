@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from hearth.services.broker.server import free_tcp_port
+from hearth.services.broker.listen_ports import free_tcp_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Where `make tools` unpacks Debian's prometheus package: the checkout's venv (it may be a link shared by worktrees),

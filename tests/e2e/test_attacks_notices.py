@@ -28,7 +28,7 @@ from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
 from hearth.protocol.control import HopNotice
 from hearth.protocol.subjects import hop_notice_subject
 from hearth.services.broker.connection import connect_nats, flush_ordered
-from hearth.services.broker.server import free_tcp_port
+from hearth.services.broker.listen_ports import free_tcp_port
 from hearth.services.transport.headers import HEADER_PIPELINE, HEADER_SESSION, HEADER_STEP
 from hearth.services.transport.mac import new_link_key, with_mac
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME

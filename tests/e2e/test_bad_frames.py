@@ -18,7 +18,7 @@ from hearth.protocol.subjects import LinkNodes, activation_subject
 from hearth.services.client.chat import stream_chat
 from hearth.protocol.chat_frames import PipelineFrame, TokenDeltaFrame
 from hearth.services.broker.connection import flush_ordered
-from hearth.services.broker.server import free_tcp_port
+from hearth.services.broker.listen_ports import free_tcp_port
 from hearth.services.transport import FrameHeader, FrameKind
 from hearth.services.transport.wire import WireDtype, wire_nbytes
 from tests.e2e.conftest import THREE_SHARD_RANGES, start_orchestrator

@@ -16,7 +16,7 @@ import pytest
 from hearth.events.consume import stream_last_seq
 from hearth.events.models import ShardAdvertised, ShardWithdrawn
 from hearth.services.broker.connection import connect_nats
-from hearth.services.broker.server import free_tcp_port
+from hearth.services.broker.listen_ports import free_tcp_port
 from tests.e2e.conftest import THREE_SHARD_RANGES
 from tests.e2e.event_log_checks import assert_no_event_lost, query, resume_timeout_s, wait_for_positions
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)

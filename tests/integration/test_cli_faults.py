@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from hearth.services.devtools.local_cluster import LocalCluster
-from hearth.services.broker.server import free_tcp_port
+from hearth.services.broker.listen_ports import free_tcp_port
 from tests.e2e.test_demo import processes_mentioning, work_dir_of
 
 pytestmark = pytest.mark.integration

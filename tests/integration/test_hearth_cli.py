@@ -24,7 +24,7 @@ from hearth.services.community_cli import community_app
 from hearth.services.common.config import NatsSettings
 from hearth.services.broker.connection import BrokerUnreachable, connect_nats
 from hearth.services.broker.consumer_sweep import sweep_interval_s
-from hearth.services.broker.server import free_tcp_port
+from hearth.services.broker.listen_ports import free_tcp_port
 from hearth.services.broker.tls import write_throwaway_ca
 from hearth.trust.community import Community
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hearth.services.broker.server import free_tcp_port
+from hearth.services.broker.listen_ports import free_tcp_port
 from hearth.services.broker.store_lock import StoreFolderLock
 from hearth.services.common.child_processes import process_alive
 from hearth.trust.community import Community

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hearth.services.devtools.local_cluster import PREFORK_ENV, ClusterError, LocalCluster, prefork_from_environment
-from hearth.services.broker.server import free_tcp_port
+from hearth.services.broker.listen_ports import free_tcp_port
 from hearth.services.devtools.prefork import PreforkedProcess, SpawnRequest, import_environment, prefork_launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

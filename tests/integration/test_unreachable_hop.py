@@ -17,7 +17,8 @@ import torch
 from hearth.protocol.control import ControlReply, OpenHop, ShardStat, control_request_adapter
 from hearth.protocol.subjects import LinkNodes
 from hearth.services.broker.connection import connect_nats, flush_ordered
-from hearth.services.broker.server import free_tcp_port, loopback_host
+from hearth.services.broker.listen_ports import free_tcp_port
+from hearth.services.common.config_sections import loopback_host
 from hearth.services.devtools.netbed_relay import LatencyRelay, Link
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.outcomes import StepFailure

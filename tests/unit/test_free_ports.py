@@ -1,12 +1,24 @@
-"""free_tcp_port (hearth/services/broker/server.py): ports for servers started a moment later come from below the
-kernel's ephemeral range (so no outgoing connection can take one first), are free to listen on, and are never
-handed out twice in one process."""
+"""free_tcp_port (hearth/services/broker/listen_ports.py): ports for servers started a moment later come from below
+the kernel's ephemeral range (so no outgoing connection can take one first), are free to listen on, are never handed
+out twice in one process, and are not handed out by another process of this machine while the one that handed it
+out lives."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
-from hearth.services.broker.server import _first_ephemeral_port, free_tcp_port, listen_port_floor
+from hearth.services.broker import listen_ports
+from hearth.services.broker.listen_ports import _first_ephemeral_port, claim_port, free_tcp_port, listen_port_floor
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def in_another_process(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", f"from hearth.services.broker.listen_ports import *; {code}"],
+                          capture_output=True, text=True, check=True, cwd=ROOT, timeout=60).stdout.strip()
 
 
 def test_ports_are_listenable_distinct_and_below_the_ephemeral_range():
@@ -17,3 +29,17 @@ def test_ports_are_listenable_distinct_and_below_the_ephemeral_range():
         sock.bind(("127.0.0.1", ports[-1]))
         sock.listen()
 
+
+def test_a_port_handed_out_here_is_not_another_processs_while_this_one_lives():
+    port = free_tcp_port()
+    assert in_another_process(f"print(claim_port({port}))") == "False"
+    # One handed out by a process that has ended is free to claim again.
+    ended = int(in_another_process("print(free_tcp_port())"))
+    assert claim_port(ended)
+
+
+def test_a_process_holds_a_bounded_number_of_claims(monkeypatch):
+    monkeypatch.setattr(listen_ports, "max_port_claims_held", 4)
+    ports = [free_tcp_port() for _ in range(10)]
+    assert len(listen_ports._claims) == 4
+    assert list(listen_ports._claims) == ports[-4:]

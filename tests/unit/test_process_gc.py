@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from hearth.services.broker.server import free_tcp_port
+from hearth.services.broker.listen_ports import free_tcp_port
 from hearth.services.common import process_gc
 from hearth.services.common.lifecycle import run_event_loop
 

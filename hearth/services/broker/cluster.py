@@ -22,11 +22,11 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
+from hearth.services.broker.listen_ports import free_tcp_port
 from hearth.services.broker.server import (
     EmbeddedNatsServer,
     connection_limits_block,
     NatsServerError,
-    free_tcp_port,
     readiness_poll_interval_s,
     why_it_exited,
 )

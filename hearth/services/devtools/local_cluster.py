@@ -19,7 +19,8 @@ from hearth.services.common.logging import default_log_level
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.permissions import render_authorization
 from hearth.services.broker.cluster import EmbeddedNatsCluster
-from hearth.services.broker.server import EmbeddedNatsServer, free_tcp_port
+from hearth.services.broker.listen_ports import free_tcp_port
+from hearth.services.broker.server import EmbeddedNatsServer
 from hearth.services.devtools.prefork import HEARTH_MODULE, PreforkedProcess, SpawnRequest, prefork_launcher
 from hearth.services.broker.tls import TlsFiles, write_throwaway_ca
 from hearth.services.devtools.core_sharing import pinned_command, quiet_torch_environment
