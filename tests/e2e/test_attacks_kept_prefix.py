@@ -34,6 +34,10 @@ MESH_ENV = {"HEARTH_PREFIX_CACHE__ENABLED": "true", "HEARTH_PREFIX_CACHE__BLOCK_
             "HEARTH_VERIFICATION__SAMPLE_RATE": "1.0", "HEARTH_VERIFICATION__CANARY_INTERVAL_S": "0"}
 FIRST_TURN = ("a community of households shares one model across its machines, each holding a few layers of it, "
               "and every call streams activations from one house to the next")
+# Another conversation, for the failover test: the first test's turns are kept on the replica its liar was failed
+# over to, and a kept prefix of this conversation there would draw the turn away from the host to be killed.
+OTHER_FIRST_TURN = ("the households of a street serve one model together on their machines, each keeping some of its "
+                    "layers, and every call passes activations from one home to the next")
 NEW_TOKENS = 8
 
 
@@ -77,9 +81,9 @@ async def test_a_host_killed_in_a_turn_begun_from_kept_blocks_is_failed_over_to_
     lo, hi = THREE_SHARD_RANGES[CHECKED_HOP]
     async with mesh.extra_shards() as start:
         victim = await start("k", lo, hi, PREFERRED_WEIGHT)
-        first = await stream_with_action(nc, request(FIRST_TURN))
+        first = await stream_with_action(nc, request(OTHER_FIRST_TURN))
         assert first.final.type == "done" and victim.shard_id in first.hops, first.final
-        second_turn = FIRST_TURN + "".join(f.text for f in first.of_type("token_delta")) + " and the next house"
+        second_turn = OTHER_FIRST_TURN + "".join(f.text for f in first.of_type("token_delta")) + " and the next house"
         second = await stream_with_action(nc, request(second_turn), lambda: victim.process.signal(signal.SIGKILL),
                                           after_tokens=2)
         assert second.final.type == "done", second.final

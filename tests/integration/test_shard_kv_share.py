@@ -61,6 +61,9 @@ async def test_a_member_past_its_kv_share_is_refused_while_another_still_opens_a
         nats_server, monkeypatch):
     monkeypatch.setenv("HEARTH_SHARD__MAX_CONCURRENT_STREAMS", "6")  # streams enough: the KV share is what binds
     monkeypatch.setenv("HEARTH_SHARD__MAX_KV_SHARE_PER_OPENER", "0.5")
+    # No orchestrator keeps these hops alive: none may be closed as orphaned (freeing its member's share) while the
+    # test runs, however slowly on a loaded machine.
+    monkeypatch.setenv("HEARTH_TRANSPORT__ORPHAN_TIMEOUT_S", "600")
     hogger, other = MemberKey.generate(), MemberKey.generate()
     async with tiny_shard_server(nats_server.url, cache_budget_bytes=4 * SESSION_BYTES) as shard:
         shard.server.open_verifier = CallVerifier(_roster(hogger=hogger, other=other), max_clock_skew_s=30,
