@@ -104,12 +104,9 @@ class _Cursor:
         self.array_items: int | None = None  # of the last array value read at the top level
 
     def take(self, count: int) -> bytes:
-        end = self.position + count
-        if end > len(self.buffer):
-            raise HeaderIncomplete(end)
-        chunk = self.buffer[self.position:end]
-        self.position = end
-        return chunk
+        start = self.position
+        self.skip(count)
+        return self.buffer[start:self.position]
 
     def skip(self, count: int) -> None:
         end = self.position + count

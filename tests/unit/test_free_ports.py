@@ -5,9 +5,11 @@ out lives."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from hearth.services.broker import listen_ports
@@ -43,3 +45,14 @@ def test_a_process_holds_a_bounded_number_of_claims(monkeypatch):
     ports = [free_tcp_port() for _ in range(10)]
     assert len(listen_ports._claims) == 4
     assert list(listen_ports._claims) == ports[-4:]
+
+
+def test_a_link_in_place_of_the_claims_folder_is_not_followed(tmp_path, monkeypatch):
+    """The temporary directory is shared: a link someone put where the user's claims folder goes gets no claim."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / f"{listen_ports.PORT_CLAIMS_DIR_PREFIX}{os.getuid()}").symlink_to(elsewhere)
+
+    assert listen_ports.port_claims_dir() is None
+    assert claim_port(listen_port_floor) and not any(elsewhere.iterdir())

@@ -4,11 +4,11 @@ handed out once on this machine while the process that handed it out lives.
 Drawn below the kernel's ephemeral range, not by binding port 0: a port from that range may be taken as the source
 port of any outgoing connection (another cluster node's, a client's) before the server it was handed to listens on
 it, and then that server cannot start ("bind: address already in use", e.g. for a NATS cluster node's route port).
-A port is handed out once per process, and claimed for other processes of this machine too (several test workers,
-two demos): a lock file per port in a folder of the temporary directory, held (flock) by the process that handed the
-port out, for the newest `max_port_claims_held` of its ports. So two processes never hand out the same port in the
-moment between its draw and its server listening. Without that folder (another user's, a read-only temporary
-directory) a port is only checked free, as a process alone would.
+A port is handed out once per process, and claimed for the user's other processes too (several test workers, two
+demos): a lock file per port in the user's own folder of the temporary directory, held (flock) by the process that
+handed the port out, for the newest `max_port_claims_held` of its ports. So two processes never hand out the same
+port in the moment between its draw and its server listening. Where that folder cannot be had (a read-only
+temporary directory; a link, or someone else's, in its place) a port is only checked free, as a process alone would.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import fcntl
 import os
 import random
 import socket
+import stat
 import tempfile
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from hearth.services.common.config_sections import loopback_host
 EPHEMERAL_PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 # Listening ports are drawn from [listen_port_floor, the kernel's first ephemeral port).
 listen_port_floor = 20000
-PORT_CLAIMS_DIR_NAME = "hearth-port-claims"
+PORT_CLAIMS_DIR_PREFIX = "hearth-port-claims-"  # then the user's id
 # Claims a process holds at once (one open file each): far more than the servers it starts at a time.
 max_port_claims_held = 256
 _ports_handed_out: set[int] = set()
@@ -40,17 +41,26 @@ def _first_ephemeral_port() -> int:
         return 32768  # Linux's default
 
 
-def port_claims_dir() -> Path:
-    return Path(tempfile.gettempdir()) / PORT_CLAIMS_DIR_NAME
+def port_claims_dir() -> Path | None:
+    """The user's folder of port claims, made if need be; None where it cannot be had, or is a link or not the
+    user's own (the temporary directory is shared)."""
+    folder = Path(tempfile.gettempdir()) / f"{PORT_CLAIMS_DIR_PREFIX}{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        found = folder.lstat()
+    except OSError:
+        return None
+    return folder if stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() else None
 
 
 def claim_port(port: int) -> bool:
-    """Claim `port` for this process against every other process of this machine; False when another one holds
-    it (True, unclaimed, when claims cannot be made here)."""
+    """Claim `port` for this process against the user's other processes; False when another one holds it (True,
+    unclaimed, when claims cannot be made here)."""
     folder = port_claims_dir()
+    if folder is None:
+        return True
     try:
-        folder.mkdir(mode=0o1777, exist_ok=True)
-        descriptor = os.open(folder / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+        descriptor = os.open(folder / f"{port}.lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     except OSError:
         return True
     try:
