@@ -5,7 +5,8 @@ needs, one at a time, with the gguf package's numpy dequantizers into the shard'
 re-quantizes the layer's Linears to the shard's own scheme (``--quantize``, hearth/inference/quantization.py). Keeping
 every block type as it is would need matmul kernels torch does not have; the 4-bit ones of groups of 32 (Q4_0,
 Q4_1, Q4_K) are the exception: under a quantized scheme they are read as int4 codes (``read_int4_groups``,
-hearth/inference/gguf_int4.py) and held as stored, never re-rounded into more bits. The cost is that a Q4 file served as
+hearth/inference/gguf_int4.py; on a CPU ``read_int4_codes``, packed for torch's kernel a chunk of rows at a time) and
+held as stored, never re-rounded into more bits. The cost is that a Q4 file served as
 ``none`` takes full-precision memory, and other quantized blocks under int8/int4 a second rounding (docs/design.md
 §12).
 
@@ -39,6 +40,7 @@ from .gguf_layout import SplitGGUFError, check_block_types
 from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
 from .gguf_tensor_table import METADATA_CACHE_ENTRIES, StoredTensor, gguf_package, gguf_table
 from .quantization import Int4Groups
+from .weight_codes import Int4Codes, packed_int4_codes
 
 # Where a checkpoint reader puts the tensors it reads unless told (the loader asks for its device).
 default_read_device = "cpu"
@@ -241,6 +243,37 @@ class GGUFCheckpoint:
         codes, scales, minimums = (torch.from_numpy(np.ascontiguousarray(part)).to(device) for part in parts)
         self.bytes_read += int(stored.n_bytes)
         return Int4Groups(codes, scales, minimums)
+
+    def read_int4_codes(self, name: str) -> Int4Codes:
+        """What ``read_int4_groups(name).packed_for_cpu()`` gives, bit for bit, read and packed a chunk of rows at a
+        time: the weight's codes are never held whole unpacked (BENCHMARKS.md, "GGUF start-up")."""
+        stored = self._stored(name)
+        group_size = self.stored_int4_group_size(name)
+        hf_order = self._hf_row_order(stored)
+        if group_size is None or hf_order is None:  # read_int4_groups says why it cannot, or reads it whole
+            return self.read_int4_groups(name).packed_for_cpu()
+        block_bytes = gguf_package().GGML_QUANT_SIZES[stored.block_type][1]
+        blocks = self._stored_bytes(stored).reshape(stored.shape[0], -1, block_bytes)
+
+        def rows_codes(first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+            chunk = blocks[hf_order[first:last]].reshape(-1, block_bytes)  # reads only those rows' pages
+            parts = int4_groups_of_blocks(chunk, stored.block_type.name)
+            codes, scales, minimums = (torch.from_numpy(part.reshape(last - first, -1)) for part in parts)
+            return Int4Groups(codes, scales, minimums).kernel_form(0, last - first)
+
+        packed = packed_int4_codes(stored.shape, group_size, rows_codes)
+        self.bytes_read += int(stored.n_bytes)
+        return packed
+
+    def _hf_row_order(self, stored: StoredTensor) -> np.ndarray | None:
+        """Which stored row each of the tensor's rows in HF order is, None where transformers' processor does more
+        to the tensor than reorder its rows (blocks never span rows, so a row's codes are its blocks')."""
+        rows = stored.shape[0]
+        order = self._processor.process(weights=np.arange(rows).reshape(rows, 1), name=stored.name).weights
+        if not isinstance(order, np.ndarray) or order.shape != (rows, 1):
+            return None
+        order = order.reshape(rows)
+        return order if np.array_equal(np.sort(order), np.arange(rows)) else None
 
     def row_reader(self, name: str) -> Callable[[np.ndarray], np.ndarray]:
         """A reader of rows of the 2-D tensor `name`: given row indices, those rows as float32, read from the

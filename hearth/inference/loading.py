@@ -154,8 +154,9 @@ class _Skeleton:
             one.weight_name, tuple(one.linear.weight.shape), scheme.group_size)) is not None}
         names = self.materialize(layer, except_names=frozenset(as_stored) | frozenset(cached))
         for one in held_otherwise:
-            stored = (self.checkpoint.read_int4_groups(one.weight_name, self.device)
-                      if one.weight_name in as_stored else None)
+            stored = (None if one.weight_name not in as_stored
+                      else self.checkpoint.read_int4_codes(one.weight_name) if self.device.type == "cpu"
+                      else self.checkpoint.read_int4_groups(one.weight_name, self.device))
             setattr(one.parent, one.child_name, QuantizedLinear(one.linear, one.held, stored))
         self.held_otherwise_labels.update(one.held.label for one in held_otherwise)
         for one in rounded:

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hearth.inference import load_layer_range
+from hearth.inference import load_layer_range, weight_codes
 from hearth.inference.gguf_checkpoint import GGUFCheckpoint, gguf_config
 from hearth.inference.memory import layer_weight_bytes, range_weight_bytes
 from hearth.inference.quantization import QuantizationScheme, QuantizedLinear
@@ -77,7 +77,30 @@ def test_4_bit_blocks_read_as_codes_stand_for_exactly_the_ggufs_dequantized_valu
     assert checkpoint.stored_int4_group_size("model.layers.1.input_layernorm.weight") is None
 
 
-def test_q4_k_sub_blocks_are_groups_of_32_standing_for_exactly_the_ggufs_values(tmp_path, tiny_gguf):
+def assert_packed_a_chunk_at_a_time_as_whole(checkpoint: GGUFCheckpoint, names: list[str]) -> None:
+    """read_int4_codes (rows read and packed a chunk at a time, several chunks here) gives the very buffers of the
+    whole weight's codes packed at once."""
+    for name in names:
+        whole, chunked = checkpoint.read_int4_groups(name).packed_for_cpu(), checkpoint.read_int4_codes(name)
+        assert torch.equal(chunked.packed_codes, whole.packed_codes), name
+        assert torch.equal(chunked.scales_and_zeros, whole.scales_and_zeros), name
+
+
+@pytest.mark.parametrize("architecture,block_type", [
+    ("llama", GGMLQuantizationType.Q4_0), ("llama", GGMLQuantizationType.Q4_1), ("qwen2", GGMLQuantizationType.Q4_1),
+], ids=lambda value: getattr(value, "name", value))
+def test_codes_packed_a_chunk_of_rows_at_a_time_are_those_of_the_whole_weight(tiny_gguf, monkeypatch, architecture,
+                                                                               block_type):
+    monkeypatch.setattr(weight_codes, "QUANTIZE_ROWS_PER_CHUNK", weight_codes.INT4_PACK_ROWS)
+    path, _ = tiny_gguf(architecture, block_type)
+    checkpoint = open_checkpoint(path)
+    # q_proj's rows are stored in llama.cpp's rotary order: a chunk's rows are gathered from across the file's.
+    names = [f"model.layers.1.{part}.weight" for part in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj")]
+    assert all(checkpoint._stored(name).shape[0] > weight_codes.INT4_PACK_ROWS for name in names)
+    assert_packed_a_chunk_at_a_time_as_whole(checkpoint, names)
+
+
+def test_q4_k_sub_blocks_are_groups_of_32_standing_for_exactly_the_ggufs_values(tmp_path, tiny_gguf, monkeypatch):
     # gguf.quants cannot write K-quants: random Q4_K blocks (finite scales) on the 256-wide down projection rows.
     source, _ = tiny_gguf("llama", GGMLQuantizationType.F32, intermediate_size=K_QUANT_ROW)
     rng = np.random.default_rng(0)
@@ -97,6 +120,8 @@ def test_q4_k_sub_blocks_are_groups_of_32_standing_for_exactly_the_ggufs_values(
     groups = checkpoint.read_int4_groups(name)
     assert checkpoint.stored_int4_group_size(name) == groups.group_size == 32
     assert torch.equal(groups.dequantized(), checkpoint.read([name], torch.float32)[name])
+    monkeypatch.setattr(weight_codes, "QUANTIZE_ROWS_PER_CHUNK", weight_codes.INT4_PACK_ROWS)
+    assert_packed_a_chunk_at_a_time_as_whole(checkpoint, [name])
 
     runner = load_layer_range(path, 1, 1, quantization="int8", **RUNNER_KV_LIMITS)
     held = held_linears(runner)
