@@ -45,6 +45,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         marker = FOLDER_MARKERS.get(parts[0]) if len(parts) > 1 else None
         if marker is not None and item.get_closest_marker(marker.name) is None:
             item.add_marker(marker)
+    items[:] = files_scheduled(items)
+
+
+def files_scheduled(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` a file at a time (each file's tests in their order): first the files marked scheduled_first (each
+    holds a worker for half a minute or more, so none is the last a worker starts while the others are done), then
+    the others with the most tests first (pytest-xdist's own order, which the suite's --no-loadscope-reorder
+    leaves to this)."""
+    by_file: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(Path(item.path), []).append(item)
+    order = sorted(by_file.values(), key=lambda tests: (tests[0].get_closest_marker("scheduled_first") is None,
+                                                          -len(tests)))
+    return [item for tests in order for item in tests]
 
 
 @pytest.fixture(autouse=True)

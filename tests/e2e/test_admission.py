@@ -24,7 +24,7 @@ from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, three_shard_mesh
 from tests.e2e.failover_support import ShardHandle, open_hop_as_orchestrator
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.scheduled_first]
 
 BURST = 50
 MAX_RUNNING = 4

@@ -30,7 +30,7 @@ from hearth.services.common.config import OrchestratorSettings
 from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_CONTEXT_LENGTH, TINY_LAYERS, TINY_MODEL_NAME, start_orchestrator
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.scheduled_first, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 FUZZ_EXAMPLES = 1000
 MAX_REQUEST_BYTES = OrchestratorSettings().max_request_bytes

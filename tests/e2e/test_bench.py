@@ -26,7 +26,7 @@ SHARDS = 3
 # More than the mesh runs at once (4): some wait in the queue.
 BURST = 8
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.scheduled_first]
 
 
 def test_bench_json_report_on_a_random_tiny_shape(tmp_path):

@@ -22,7 +22,7 @@ SESSIONS = (1, 3)
 # Two cores where the machine has them; the check that one core per shard was used holds for any N.
 CORES = min(2, len(os.sched_getaffinity(0)))
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.scheduled_first]
 
 
 def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ REPEATS = 2
 SHARDS = 3
 REPLICAS = 2
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.scheduled_first]
 
 
 def test_bench_with_replicas_checks_every_hop_step_of_its_rounds_and_reports_it(tmp_path):

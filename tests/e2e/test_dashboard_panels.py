@@ -41,7 +41,7 @@ from tests.e2e.failover_support import (
     wait_for_pipeline_end,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.scheduled_first, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED_CALLS = 4

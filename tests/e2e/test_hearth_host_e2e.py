@@ -30,7 +30,7 @@ from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
 from tests.e2e.failover_support import open_hop_as_orchestrator
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.scheduled_first]
 
 HOST_ENV = "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__"
 SHARD_ENV = "HEARTH_SHARD__"

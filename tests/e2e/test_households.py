@@ -40,7 +40,7 @@ from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
 )
 
 NO_BED = unavailable_reason()
-pytestmark = [pytest.mark.timeout(600),
+pytestmark = [pytest.mark.scheduled_first, pytest.mark.timeout(600),
               pytest.mark.skipif(NO_BED is not None, reason=f"no multi-household test bed here: {NO_BED}")]
 
 # Household of each shard host: the middle range's primary and its replica live apart.

@@ -33,7 +33,7 @@ from tests.e2e.failover_support import chat_request, pipeline_events, read_event
 from tests.e2e.test_nats_cluster_kill import wait_caught_up
 
 NO_BED = unavailable_reason()
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
+pytestmark = [pytest.mark.scheduled_first, pytest.mark.e2e, pytest.mark.timeout(300),
               pytest.mark.skipif(NO_BED is not None, reason=f"no multi-household test bed here: {NO_BED}")]
 
 ROOT = Path(__file__).resolve().parents[2]

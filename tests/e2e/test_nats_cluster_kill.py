@@ -18,7 +18,7 @@ from tests.e2e.conftest import three_shard_mesh
 from tests.e2e.event_log_checks import assert_no_event_lost
 from tests.e2e.failover_support import chat_request, pipeline_events, stream_with_action
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.scheduled_first, pytest.mark.e2e, pytest.mark.timeout(300)]
 
 ORCHESTRATOR_CONNECTION = "hearth-orchestrator orchestrator"
 rejoin_timeout_s = 30.0

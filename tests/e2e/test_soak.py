@@ -16,7 +16,7 @@ import pytest
 from hearth.services.devtools.netbed import unavailable_reason
 
 NO_BED = unavailable_reason()
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900),
+pytestmark = [pytest.mark.scheduled_first, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(NO_BED is not None, reason=f"no multi-household test bed here: {NO_BED}")]
 
 ROOT = Path(__file__).resolve().parents[2]

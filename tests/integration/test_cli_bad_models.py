@@ -17,7 +17,7 @@ import pytest
 from hearth.services.devtools.bench.errors import BenchError
 from hearth.services.devtools.bench.monolithic import MonolithicWorker
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.scheduled_first]
 
 HEARTH = str(Path(sys.executable).parent / "hearth")
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -25,7 +25,7 @@ from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.broker.listen_ports import free_tcp_port
 from tests.e2e.test_demo import processes_mentioning, work_dir_of
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.scheduled_first]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEARTH = str(Path(sys.executable).parent / "hearth")

@@ -24,7 +24,7 @@ from hearth.services.common.lifecycle import stop_deadline_s
 from tests.integration.test_cli_faults import HEARTH, MODEL, Process, needs_model, started  # noqa: F401 (fixture)
 from tests.integration.tiny_shard_server import CONTEXT
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.scheduled_first]
 
 NODE = "draining-host"
 # `hearth shard` serves the layers it is told; `hearth host`, with its budget left at [shard] max_memory_mb, all six.
