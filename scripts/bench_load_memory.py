@@ -1,4 +1,5 @@
-"""Benchmark: host memory a process gains while loading a layer range (or the orchestrator's head) from safetensors.
+"""Benchmark: host memory a process gains while loading a layer range (or the orchestrator's head) from a checkpoint
+(safetensors, or a GGUF file).
 
 Issue 14 asks that weights load straight onto the device, the host's peak during the load staying within the
 range's weight bytes + 10 %. Each case runs in a fresh subprocess that imports everything, resets the kernel's
@@ -58,19 +59,28 @@ def what_to_load(case: str, path: Path) -> str:
     """"head", or the layer range "lo-hi" a case loads from the checkpoint at `path`."""
     if case == "head":
         return "head"
-    num_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    num_layers = checkpoint_config(path).num_hidden_layers
     hi = num_layers - 1 if case == "all_layers" else max(1, num_layers // 3) - 1
     return f"0-{hi}"
+
+
+def checkpoint_config(path: Path):
+    """The transformers config of the checkpoint at `path` (a folder, a GGUF file or a folder holding one)."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from hearth.inference.checkpoint import read_config, resolve_model_path
+
+    return read_config(resolve_model_path(path))
 
 
 def warm_up_imports(path: Path) -> None:
     """Pay the one-off costs a process meets on its first load of a family before the baseline: transformers imports
     the family's modeling module lazily (about 10 MiB here) and builds its first meta-device model (about 5 MiB)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    config = checkpoint_config(path)  # before the meta device: the modules it imports make tensors of their own
     with torch.device("meta"):
-        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        AutoModelForCausalLM.from_config(config)
 
 
 def run_child(what: str, path: Path, dtype: str, device: str, quantization: str = "none") -> dict:
@@ -166,7 +176,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="random:llama-250m", help="random:<shape> or a checkpoint folder")
+    parser.add_argument("--model", default="random:llama-250m", help="random:<shape>, a checkpoint folder or a GGUF file")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (figures are host memory)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")

@@ -342,16 +342,20 @@ class SafetensorsCheckpoint:
         return tensors
 
 
+    def stored_form(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The tensor's shape and stored dtype, from its file's header (none of its data read)."""
+        if name not in self._file_of:
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint in {self.path}")
+        with opened_safetensors(self._file_of[name]) as mapped:
+            stored = mapped.get_slice(name)
+            return tuple(stored.get_shape()), _torch_dtype(stored.get_dtype(), name)
+
     def row_chunks(self, name: str, rows_per_chunk: int) -> Iterator[np.ndarray]:
         """The 2-D floating tensor `name`, `rows_per_chunk` rows at a time in float32 (exact for every stored float
         dtype), each chunk through its own memory map as `read` fills a tensor, counted in bytes_read once all are
         read: a caller building its own form of it (an int8 lm_head) never holds it whole in floats."""
-        if name not in self._file_of:
-            raise CheckpointError(f"tensor {name} is missing from the checkpoint in {self.path}")
+        shape, source = self.stored_form(name)
         file = self._file_of[name]
-        with opened_safetensors(file) as mapped:
-            stored = mapped.get_slice(name)
-            shape, source = stored.get_shape(), _torch_dtype(stored.get_dtype(), name)
         if len(shape) != 2 or not source.is_floating_point:
             raise CheckpointError(f"tensor {name} is {source} {shape}, not a matrix of floats")
         for first in range(0, shape[0], rows_per_chunk):

@@ -244,6 +244,11 @@ class GGUFCheckpoint:
         self.bytes_read += int(stored.n_bytes)
         return Int4Groups(codes, scales, minimums)
 
+    def read_stored_int4(self, name: str, device: torch.device) -> Int4Groups | Int4Codes:
+        """A 2-D tensor stored in a 4-bit block type as QuantizedLinear takes it on `device`: read_int4_codes on the
+        CPU, read_int4_groups elsewhere."""
+        return self.read_int4_codes(name) if device.type == "cpu" else self.read_int4_groups(name, device)
+
     def read_int4_codes(self, name: str) -> Int4Codes:
         """What ``read_int4_groups(name).packed_for_cpu()`` gives, bit for bit, read and packed a chunk of rows at a
         time: the weight's codes are never held whole unpacked (BENCHMARKS.md, "GGUF start-up")."""
@@ -275,17 +280,24 @@ class GGUFCheckpoint:
         order = order.reshape(rows)
         return order if np.array_equal(np.sort(order), np.arange(rows)) else None
 
+    def stored_form(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The tensor's shape and the dtype its values are read in (float32: every block type is dequantized), from
+        the file's header (none of its data read)."""
+        return tuple(self._stored(name).shape), torch.float32
+
     def row_reader(self, name: str) -> Callable[[np.ndarray], np.ndarray]:
-        """A reader of rows of the 2-D tensor `name`: given row indices, those rows as float32, read from the
-        memory-mapped file and dequantized row by row (blocks never span rows), each exactly as `read` gives it."""
+        """A reader of rows of the 2-D tensor `name`: given row indices (HF's order: a llama file's Q and K rows
+        are read from where its rotary order stores them), those rows as float32, read from the memory-mapped file
+        and dequantized row by row (blocks never span rows), each exactly as `read` gives it."""
         stored = self._stored(name)
         check_block_types([(stored.name, stored.block_type.name)], self.path.name)
         data = self._stored_bytes(stored).view(stored.stored_dtype).reshape(stored.stored_shape)
-        if len(stored.shape) != 2 or data.shape[0] != stored.shape[0]:
+        hf_order = self._hf_row_order(stored) if len(stored.shape) == 2 else None
+        if hf_order is None or data.shape[0] != stored.shape[0]:
             raise CheckpointError(f"tensor {stored.name} of {self.path.name} is not stored in rows")
 
         def rows(indices: np.ndarray) -> np.ndarray:
-            values = self._values(stored, data[indices])  # reads only those rows' pages
+            values = self._stored_values(stored, data[hf_order[indices]])  # reads only those rows' pages
             return np.ascontiguousarray(values, dtype=np.float32)
 
         return rows
@@ -342,7 +354,11 @@ class GGUFCheckpoint:
         return values
 
     def _values(self, stored: StoredTensor, data: np.ndarray) -> np.ndarray:
-        """The values of `data` (the stored tensor's array, or some of its rows) dequantized and in HF's layout."""
+        """The values of `data` (the stored tensor's array) dequantized and in HF's layout."""
+        return self._processor.process(weights=self._stored_values(stored, data), name=stored.name).weights
+
+    def _stored_values(self, stored: StoredTensor, data: np.ndarray) -> np.ndarray:
+        """The values of `data` (the stored tensor's array, or some of its rows) dequantized, in the file's layout."""
         if data.dtype.kind == "f":
             values = data  # F32, F16, F64 are numpy's own floats (the gguf package has no F64 dequantizer)
         else:
@@ -351,4 +367,4 @@ class GGUFCheckpoint:
             except (ValueError, NotImplementedError) as exc:
                 raise CheckpointError(
                     f"tensor {stored.name} of {self.path.name} cannot be dequantized: {exc}") from None
-        return self._processor.process(weights=values, name=stored.name).weights
+        return values

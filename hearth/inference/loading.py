@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +40,8 @@ from .held_forms import held_scheme, stored_precision
 from .int4_code_cache import Int4CodeCache, int4_code_cache, int4_code_cache_root
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
     check_quantizable, dense_linears, quantize_linears
-from .weight_codes import int4_codes
+from .weight_codes import int4_codes_of_rows
+from .layer_forms import HeldOtherwise, RoundedOnCPU, check_tensor_form, weight_rows
 from .heap import bound_arena_tops
 from .row_attention import use_row_attention
 from .runner import LayerRangeRunner
@@ -48,29 +49,6 @@ from .stored_precision import resolved_scheme
 from .sessions import EvictedSession
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _HeldOtherwise:
-    """A layer's Linear that a rule of hearth/inference/held_forms.py holds in `held` rather than as the scheme
-    asked rounds it: where it sits (its parent's attribute), and its checkpoint weight's name."""
-
-    parent: nn.Module
-    child_name: str
-    linear: nn.Linear
-    weight_name: str
-    held: QuantizationScheme
-
-
-@dataclass(frozen=True)
-class _RoundedOnCPU:
-    """A layer's Linear whose float weight int4 rounds on the CPU, and the cache of its codes (None: none)."""
-
-    parent: nn.Module
-    child_name: str
-    linear: nn.Linear
-    weight_name: str
-    cache: Int4CodeCache | None
 
 
 @dataclass
@@ -104,17 +82,12 @@ class _Skeleton:
         state = {local: tensors[prefix + local] for local in local_names}
         expected = module.state_dict(keep_vars=True)
         for local, tensor in state.items():
-            if tuple(tensor.shape) != tuple(expected[local].shape):
-                raise CheckpointError(f"the checkpoint's {prefix + local} is {tuple(tensor.shape)}, where the "
-                                      f"model's config makes it {tuple(expected[local].shape)}")
-            if tensor.is_floating_point() != expected[local].is_floating_point():  # torch would refuse the copy
-                raise CheckpointError(f"the checkpoint's {prefix + local} is stored as {tensor.dtype}, where the "
-                                      f"model's config makes it {expected[local].dtype}")
+            check_tensor_form(prefix + local, tensor.shape, tensor.dtype, expected[local])
         module.load_state_dict(state, strict=not except_names, assign=True)
         module.requires_grad_(False)
         return checkpoint_names
 
-    def held_otherwise(self, layer: nn.Module, scheme: QuantizationScheme) -> list[_HeldOtherwise]:
+    def held_otherwise(self, layer: nn.Module, scheme: QuantizationScheme) -> list[HeldOtherwise]:
         """The Linears of ``layer`` that hearth/inference/held_forms.py holds otherwise than ``scheme`` rounds them,
         each with the scheme it is held in (read from the checkpoint's header: no weight is read)."""
         linears = [(parent, child_name, linear, self.name_of(linear) + ".weight")
@@ -122,13 +95,13 @@ class _Skeleton:
         stored_types = {weight_name: self.checkpoint.stored_type(weight_name) for *_, weight_name in linears}
         precision = stored_precision((weight_name, stored_types[weight_name], list(linear.weight.shape))
                                      for _, _, linear, weight_name in linears)
-        return [_HeldOtherwise(parent, child_name, linear, weight_name, held)
+        return [HeldOtherwise(parent, child_name, linear, weight_name, held)
                 for parent, child_name, linear, weight_name in linears
                 if (held := held_scheme(scheme, stored_types[weight_name], tuple(linear.weight.shape), precision,
                                         self.device)) is not None]
 
     def rounded_on_cpu(self, layer: nn.Module, scheme: QuantizationScheme,
-                       held_otherwise: list[_HeldOtherwise]) -> list[_RoundedOnCPU]:
+                       held_otherwise: list[HeldOtherwise]) -> list[RoundedOnCPU]:
         """The Linears of ``layer`` whose float weights int4 rounds on the CPU (none under another scheme or device),
         each with the cache of the checkpoint's codes (hearth/inference/int4_code_cache.py)."""
         if scheme.kind != "int4" or self.device.type != "cpu":
@@ -137,37 +110,61 @@ class _Skeleton:
             self.code_caches[scheme.label] = int4_code_cache(self.checkpoint.weight_files(), self.info.dtype,
                                                              scheme.label)
         held = {one.linear for one in held_otherwise}
-        return [_RoundedOnCPU(parent, child_name, linear, self.name_of(linear) + ".weight",
+        return [RoundedOnCPU(parent, child_name, linear, self.name_of(linear) + ".weight",
                               self.code_caches[scheme.label])
                 for parent, child_name, linear in dense_linears(layer) if linear not in held]
 
     def materialize_layer(self, layer: nn.Module, scheme: QuantizationScheme) -> list[str]:
         """Materialize ``layer``, its Linears held otherwise than ``scheme`` rounds them (held_otherwise) already in
         that form: those stored as 4-bit codes in groups as QuantizedLinear from the stored codes (never read dense,
-        nor re-rounded), a 4-bit mix's more precise ones read and then held in int8; those int4 rounds on the CPU
-        from their codes cached on disk, else read, rounded and their codes cached (rounded_on_cpu). Returns the
-        names of the checkpoint tensors the layer holds, the stored codes' first, then the cached codes'."""
+        nor re-rounded), a 4-bit mix's more precise ones held in int8; those int4 rounds on the CPU from their codes
+        cached on disk, else rounded and their codes cached (rounded_on_cpu). On the CPU every Linear rounded from
+        its float weight (int8, int4 without cached codes) is rounded from the checkpoint's rows a chunk at a time
+        (weight_rows), so the layer is never held in floats. Returns the names of the checkpoint tensors the layer
+        holds."""
         held_otherwise = self.held_otherwise(layer, scheme)
-        as_stored = {one.weight_name: one for one in held_otherwise if one.held.kind == "int4"}
+        as_stored = {one.weight_name for one in held_otherwise if one.held.kind == "int4"}
         rounded = self.rounded_on_cpu(layer, scheme, held_otherwise)
         cached = {one.weight_name: codes for one in rounded if one.cache is not None and (codes := one.cache.codes(
             one.weight_name, tuple(one.linear.weight.shape), scheme.group_size)) is not None}
-        names = self.materialize(layer, except_names=frozenset(as_stored) | frozenset(cached))
+        in_int8 = self.int8_of_rows(layer, scheme, held_otherwise)
+        of_rows = in_int8 | {one.weight_name for one in rounded if one.weight_name not in cached}
+        names = self.materialize(layer, except_names=frozenset(as_stored | set(cached) | of_rows))
         for one in held_otherwise:
-            stored = (None if one.weight_name not in as_stored
-                      else self.checkpoint.read_int4_codes(one.weight_name) if self.device.type == "cpu"
-                      else self.checkpoint.read_int4_groups(one.weight_name, self.device))
-            setattr(one.parent, one.child_name, QuantizedLinear(one.linear, one.held, stored))
+            name = one.weight_name
+            stored = self.checkpoint.read_stored_int4(name, self.device) if name in as_stored else None
+            rows = self.weight_rows(one.linear, name) if name in of_rows else None
+            setattr(one.parent, one.child_name, QuantizedLinear(one.linear, one.held, stored, rows))
         self.held_otherwise_labels.update(one.held.label for one in held_otherwise)
         for one in rounded:
             codes = cached.get(one.weight_name)
             if codes is None:
-                codes = int4_codes(one.linear.weight.detach(), scheme.group_size)
+                codes = int4_codes_of_rows(tuple(one.linear.weight.shape), scheme.group_size,
+                                           self.weight_rows(one.linear, one.weight_name))
                 if one.cache is not None:
                     one.cache.store(one.weight_name, codes)
             setattr(one.parent, one.child_name, QuantizedLinear(one.linear, scheme, codes))
+        for parent, child_name, linear in dense_linears(layer):
+            if (weight_name := self.name_of(linear) + ".weight") in in_int8:
+                setattr(parent, child_name, QuantizedLinear(linear, scheme,
+                                                            weight_rows=self.weight_rows(linear, weight_name)))
         self.weights_from_code_cache += len(cached)
-        return [*as_stored, *cached, *names]
+        return [*as_stored, *cached, *of_rows, *names]
+
+    def int8_of_rows(self, layer: nn.Module, scheme: QuantizationScheme,
+                     held_otherwise: list[HeldOtherwise]) -> set[str]:
+        """The weights of ``layer``'s Linears held in int8 on the CPU (by the scheme, or held_otherwise), which
+        QuantizedLinear rounds from the checkpoint's rows (weight_rows); none elsewhere."""
+        if self.device.type != "cpu":
+            return set()
+        held = {one.linear for one in held_otherwise}
+        return {one.weight_name for one in held_otherwise if one.held.kind == "int8"} | (
+            {self.name_of(linear) + ".weight" for *_, linear in dense_linears(layer) if linear not in held}
+            if scheme.kind == "int8" else set())
+
+    def weight_rows(self, linear: nn.Linear, weight_name: str) -> Iterator[torch.Tensor]:
+        """The Linear's weight read a chunk of rows at a time in the skeleton's dtype (layer_forms.weight_rows)."""
+        return weight_rows(self.checkpoint, linear, weight_name, self.info.dtype)
 
 
 def open_skeleton(

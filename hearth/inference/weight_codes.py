@@ -4,7 +4,7 @@ for CUDA), and the bytes each form holds."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +45,14 @@ def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scales
 
 
+def rows_per_chunk(rows: int) -> int:
+    """How many of a weight's `rows` are quantized at a time (all at once where they are not whole packing blocks)."""
+    return QUANTIZE_ROWS_PER_CHUNK if rows % INT4_PACK_ROWS == 0 else rows
+
+
 def row_chunks(rows: int) -> list[tuple[int, int]]:
-    """Row ranges to quantize one at a time (all rows at once where they are not whole packing blocks)."""
-    step = QUANTIZE_ROWS_PER_CHUNK if rows % INT4_PACK_ROWS == 0 else rows
+    """Row ranges to quantize one at a time (rows_per_chunk)."""
+    step = rows_per_chunk(rows)
     return [(first, min(first + step, rows)) for first in range(0, rows, step)]
 
 
@@ -98,6 +103,21 @@ def int4_codes(weight: torch.Tensor, group_size: int) -> Int4Codes:
     int4 kernel."""
     return packed_int4_codes(tuple(weight.shape), group_size,
                              lambda first, last: int4_grouped_codes(weight[first:last].float(), group_size))
+
+
+def int4_codes_of_rows(shape: tuple[int, int], group_size: int, chunks: Iterator[torch.Tensor]) -> Int4Codes:
+    """``int4_codes`` of a weight of `shape` given as its rows, rows_per_chunk of them at a time in order (a
+    checkpoint's row_chunks), so that the weight is never held whole."""
+    def rows_codes(first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = next(chunks, None)
+        if chunk is None or chunk.shape[0] != last - first:
+            raise ValueError(f"rows {first}..{last - 1} of a {shape[0]}-row weight did not come as one chunk")
+        return int4_grouped_codes(chunk.float(), group_size)
+
+    codes = packed_int4_codes(shape, group_size, rows_codes)
+    if next(chunks, None) is not None:  # also lets a checkpoint's reader finish (and count what it read)
+        raise ValueError(f"more rows came than the weight's {shape[0]}")
+    return codes
 
 
 def pack_int4_for_cuda(codes: torch.Tensor) -> torch.Tensor:
