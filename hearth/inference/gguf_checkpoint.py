@@ -39,8 +39,7 @@ from .gguf_header import checked_gguf_header, read_gguf_header
 from .gguf_layout import SplitGGUFError, check_block_types
 from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
 from .gguf_tensor_table import METADATA_CACHE_ENTRIES, StoredTensor, gguf_package, gguf_table
-from .quantization import Int4Groups
-from .weight_codes import Int4Codes, packed_int4_codes
+from .weight_codes import Int4Codes, Int4Groups, packed_int4_codes
 
 # Where a checkpoint reader puts the tensors it reads unless told (the loader asks for its device).
 default_read_device = "cpu"

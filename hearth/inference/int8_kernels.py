@@ -67,13 +67,10 @@ def fbgemm_row_product(rows: torch.Tensor, packed: torch.ScriptObject) -> torch.
     return _product_of_rounded(rows.to(torch.bfloat16, copy=True), packed)
 
 
-def fbgemm_shared_product(parts: Sequence[torch.ScriptObject]) -> SharedRowProduct:
-    """One shared product of packed weights ``parts`` (one per member, same input features), repacked as one."""
-    weights = [torch.ops.quantized.linear_unpack(part)[0] for part in parts]
-    codes = torch.cat([weight.int_repr() for weight in weights])
-    scales = torch.cat([weight.q_per_channel_scales() for weight in weights])
+def fbgemm_shared_product(codes: torch.Tensor, scales: torch.Tensor, widths: Sequence[int]) -> SharedRowProduct:
+    """One product of the members' int8 ``codes`` and ``scales`` one after another (``widths`` rows each, the same
+    input features), packed once."""
     packed = pack_for_fbgemm(codes, scales)
-    widths = [weight.shape[0] for weight in weights]
     return SharedRowProduct(lambda rounded: _product_of_rounded(rounded, packed), widths)
 
 

@@ -120,8 +120,8 @@ class _Skeleton:
         nor re-rounded), a 4-bit mix's more precise ones held in int8; those int4 rounds on the CPU from their codes
         cached on disk, else rounded and their codes cached (rounded_on_cpu). On the CPU every Linear rounded from
         its float weight (int8, int4 without cached codes) is rounded from the checkpoint's rows a chunk at a time
-        (weight_rows), so the layer is never held in floats. Returns the names of the checkpoint tensors the layer
-        holds."""
+        (weight_rows), so the layer is never held in floats; int8 codes are left for quantize_linears to pack.
+        Returns the names of the checkpoint tensors the layer holds."""
         held_otherwise = self.held_otherwise(layer, scheme)
         as_stored = {one.weight_name for one in held_otherwise if one.held.kind == "int4"}
         rounded = self.rounded_on_cpu(layer, scheme, held_otherwise)
@@ -134,7 +134,7 @@ class _Skeleton:
             name = one.weight_name
             stored = self.checkpoint.read_stored_int4(name, self.device) if name in as_stored else None
             rows = self.weight_rows(one.linear, name) if name in of_rows else None
-            setattr(one.parent, one.child_name, QuantizedLinear(one.linear, one.held, stored, rows))
+            setattr(one.parent, one.child_name, QuantizedLinear(one.linear, one.held, stored, rows, pack=False))
         self.held_otherwise_labels.update(one.held.label for one in held_otherwise)
         for one in rounded:
             codes = cached.get(one.weight_name)
@@ -146,8 +146,8 @@ class _Skeleton:
             setattr(one.parent, one.child_name, QuantizedLinear(one.linear, scheme, codes))
         for parent, child_name, linear in dense_linears(layer):
             if (weight_name := self.name_of(linear) + ".weight") in in_int8:
-                setattr(parent, child_name, QuantizedLinear(linear, scheme,
-                                                            weight_rows=self.weight_rows(linear, weight_name)))
+                setattr(parent, child_name, QuantizedLinear(
+                    linear, scheme, weight_rows=self.weight_rows(linear, weight_name), pack=False))
         self.weights_from_code_cache += len(cached)
         return [*as_stored, *cached, *of_rows, *names]
 

@@ -38,8 +38,8 @@ from .heap import release_freed_heap
 from .int8_kernels import INT_MM_FEATURE_MULTIPLE, cuda_row_product, fbgemm_row_product, fbgemm_shared_product, \
     int8_rows_on_cpu, pack_for_fbgemm
 from .shared_products import SharedRowProduct
-from .weight_codes import INT4_MIDPOINT, KERNEL_DTYPE, Int4Codes, int4_codes, int4_grouped_codes, \
-    int8_per_channel, pack_int4_for_cuda, packed_int4_codes, row_chunks
+from .weight_codes import KERNEL_DTYPE, Int4Codes, Int4Groups, int4_codes, int4_grouped_codes, int8_per_channel, \
+    pack_int4_for_cuda, row_chunks
 
 DEFAULT_QUANTIZATION = "none"
 # The setting that serves each checkpoint as it is stored (hearth/inference/stored_precision.py); mirrored by
@@ -143,45 +143,6 @@ def head_quantization(device: torch.device | str) -> QuantizationScheme | None:
     return None if torch.device(device).type == "cuda" else HEAD_QUANTIZATION
 
 
-@dataclass(frozen=True)
-class Int4Groups:
-    """A weight stored as 4-bit codes in groups of input features, each group with its own scale and minimum (a
-    GGUF's Q4_0, Q4_1, Q4_K blocks): ``weight[r, c] = codes[r, c] * scales[r, g] + minimums[r, g]``, g = c // group."""
-
-    codes: torch.Tensor  # [out, in], uint8 0..15
-    scales: torch.Tensor  # [out, in // group size], float32
-    minimums: torch.Tensor  # [out, in // group size], float32
-
-    @property
-    def group_size(self) -> int:
-        return self.codes.shape[1] // self.scales.shape[1]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    def dequantized(self) -> torch.Tensor:
-        """The float32 weight the codes stand for."""
-        rows, columns = self.codes.shape
-        grouped = self.codes.reshape(rows, -1, self.group_size).float()
-        return (grouped * self.scales[..., None] + self.minimums[..., None]).reshape(rows, columns)
-
-    def kernel_form(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows first..last as torch's int4 kernels take them: the codes, and the [groups, rows, 2] (scale, zero)
-        table, zero being the value of the midpoint code."""
-        scales = self.scales[first:last]
-        zeros = self.minimums[first:last] + scales * INT4_MIDPOINT
-        return self.codes[first:last], torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
-
-    def packed_for_cpu(self) -> Int4Codes:
-        """These codes as torch's CPU int4 kernel takes them."""
-        return packed_int4_codes(self.shape, self.group_size, self.kernel_form)
-
-
 # ----------------------------------------------------------------------------------------------- memory figures
 
 def held_tensor_bytes(modules: Iterable[nn.Module]) -> int:
@@ -210,7 +171,7 @@ class QuantizedLinear(nn.Module):
     the weight is never held whole in floats; its codes are the loaded weight's, each row having its own scale."""
 
     def __init__(self, dense: nn.Linear, scheme: QuantizationScheme, stored: Int4Groups | Int4Codes | None = None,
-                 weight_rows: Iterable[torch.Tensor] | None = None) -> None:
+                 weight_rows: Iterable[torch.Tensor] | None = None, *, pack: bool = True) -> None:
         super().__init__()
         if not scheme.quantized:
             raise QuantizationError("QuantizedLinear needs a quantized scheme, not none")
@@ -231,6 +192,7 @@ class QuantizedLinear(nn.Module):
         self._int8_dynamic = (device.type == "cuda" and scheme.kind == "int8"
                               and columns % INT_MM_FEATURE_MULTIPLE == 0 and rows % INT_MM_FEATURE_MULTIPLE == 0)
         self._fbgemm_packed = None
+        self._codes_to_pack: torch.Tensor | None = None  # int8 codes for fbgemm, left unpacked (pack=False)
         self._shared: tuple[SharedRowProduct, int] | None = None
         with torch.no_grad():
             if scheme.kind == "int8":
@@ -239,10 +201,12 @@ class QuantizedLinear(nn.Module):
                 for first, last, chunk in _weight_rows(weight, weight_rows, self.out_features):
                     codes[first:last], scales[first:last] = int8_per_channel(chunk.float())
                 if device.type == "cpu" and int8_rows_on_cpu():  # the codes live in the packed form only
-                    self._fbgemm_packed = pack_for_fbgemm(codes, scales.float())
+                    self._codes_to_pack = codes
                 else:
                     self.register_buffer("weight_int8", codes)
                 self.register_buffer("scales", scales)
+                if pack:
+                    self.pack_codes()
             elif device.type == "cuda":
                 codes, scales_and_zeros = (stored.kernel_form(0, rows) if stored is not None
                                            else int4_grouped_codes(weight.float(), scheme.group_size))
@@ -271,7 +235,16 @@ class QuantizedLinear(nn.Module):
         product = product.to(inputs.dtype).reshape(*leading, self.out_features)
         return product if self.bias is None else product + self.bias
 
+    def pack_codes(self) -> None:
+        """Pack for fbgemm, alone, the int8 codes left unpacked (``pack=False``: quantize_linears packs a layer's,
+        those of Linears reading one input as one product)."""
+        if self._codes_to_pack is not None:
+            self._fbgemm_packed = pack_for_fbgemm(self._codes_to_pack, self.scales.float())
+            self._codes_to_pack = None
+
     def _weight_product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._codes_to_pack is not None:
+            raise QuantizationError("a QuantizedLinear's int8 codes were left unpacked (pack=False) and never packed")
         if self._int8_dynamic:
             return cuda_row_product(rows, self.weight_int8, self.scales).to(KERNEL_DTYPE)
         if self.scheme.kind == "int8":
@@ -290,7 +263,7 @@ class QuantizedLinear(nn.Module):
     def packed_bytes(self) -> int:
         """Bytes of the weight held outside the module's buffers (the int8 codes in fbgemm's packed form, its own or
         its part of a shared one)."""
-        packed = self._fbgemm_packed is not None or self._shared is not None
+        packed = self._fbgemm_packed is not None or self._shared is not None or self._codes_to_pack is not None
         return self.out_features * self.in_features if packed else 0
 
     def extra_repr(self) -> str:
@@ -351,16 +324,17 @@ def int4_shape_problem(out_features: int, in_features: int, scheme: Quantization
 
 
 def quantize_linears(layer: nn.Module, scheme: QuantizationScheme) -> int:
-    """Replace every nn.Linear of ``layer`` in place by a QuantizedLinear under ``scheme`` and copy its other
+    """Replace every nn.Linear of ``layer`` in place by a QuantizedLinear under ``scheme``, pack the int8 codes of
+    its Linears for fbgemm (those already quantized with ``pack=False`` too: pack_int8_products) and copy its other
     tensors (norms) out of any memory map, so nothing of the checkpoint's dense weights stays referenced; returns
     how many Linears were replaced (0 for "none", which leaves the layer untouched)."""
     if not scheme.quantized:
         return 0
     replaced = 0
     for parent, name, linear in dense_linears(layer):
-        setattr(parent, name, QuantizedLinear(linear, scheme))
+        setattr(parent, name, QuantizedLinear(linear, scheme, pack=False))
         replaced += 1
-    _share_input_products(layer)
+    pack_int8_products(layer)
     with torch.no_grad():
         for module in layer.modules():
             for name, parameter in list(module.named_parameters(recurse=False)):
@@ -373,13 +347,21 @@ def quantize_linears(layer: nn.Module, scheme: QuantizationScheme) -> int:
 SHARED_INPUT_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _share_input_products(layer: nn.Module) -> None:
-    """Let the int8 Linears of each SHARED_INPUT_LINEARS group of ``layer`` run on one packed product."""
+def pack_int8_products(layer: nn.Module) -> None:
+    """Pack for fbgemm the int8 codes ``layer``'s QuantizedLinears left unpacked: each SHARED_INPUT_LINEARS group's
+    once, as one product its members share (none packed alone first), every other's alone."""
     for parent in layer.modules():
         for names in SHARED_INPUT_LINEARS:
             members = [getattr(parent, name, None) for name in names]
-            if all(isinstance(member, QuantizedLinear) and member._fbgemm_packed is not None for member in members) \
+            if all(isinstance(member, QuantizedLinear) and member._codes_to_pack is not None for member in members) \
                     and len({member.in_features for member in members}) == 1:
-                shared = fbgemm_shared_product([member._fbgemm_packed for member in members])
+                codes = torch.cat([member._codes_to_pack for member in members])
+                for member in members:  # only the joined codes are held from here
+                    member._codes_to_pack = None
+                shared = fbgemm_shared_product(codes, torch.cat([member.scales.float() for member in members]),
+                                               [member.out_features for member in members])
                 for index, member in enumerate(members):  # the shared product holds the codes from now on
-                    member._shared, member._fbgemm_packed = (shared, index), None
+                    member._shared = (shared, index)
+    for module in layer.modules():
+        if isinstance(module, QuantizedLinear):
+            module.pack_codes()

@@ -1,6 +1,7 @@
 """How a dense weight becomes what torch's int8 and int4 kernels take (symmetric int8 codes per output channel; uint4
 codes in groups of input features with a scale and a zero each, packed in torch's CPU layout or tinygemm's tiled one
-for CUDA), and the bytes each form holds."""
+for CUDA), and the bytes each form holds; also the form a weight stored as 4-bit codes in groups arrives in
+(Int4Groups: a GGUF's Q4_0, Q4_1, Q4_K blocks)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,45 @@ class Int4Codes:
     @property
     def device(self) -> torch.device:
         return self.packed_codes.device
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """A weight stored as 4-bit codes in groups of input features, each group with its own scale and minimum (a
+    GGUF's Q4_0, Q4_1, Q4_K blocks): ``weight[r, c] = codes[r, c] * scales[r, g] + minimums[r, g]``, g = c // group."""
+
+    codes: torch.Tensor  # [out, in], uint8 0..15
+    scales: torch.Tensor  # [out, in // group size], float32
+    minimums: torch.Tensor  # [out, in // group size], float32
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight the codes stand for."""
+        rows, columns = self.codes.shape
+        grouped = self.codes.reshape(rows, -1, self.group_size).float()
+        return (grouped * self.scales[..., None] + self.minimums[..., None]).reshape(rows, columns)
+
+    def kernel_form(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows first..last as torch's int4 kernels take them: the codes, and the [groups, rows, 2] (scale, zero)
+        table, zero being the value of the midpoint code."""
+        scales = self.scales[first:last]
+        zeros = self.minimums[first:last] + scales * INT4_MIDPOINT
+        return self.codes[first:last], torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
+
+    def packed_for_cpu(self) -> Int4Codes:
+        """These codes as torch's CPU int4 kernel takes them."""
+        return packed_int4_codes(self.shape, self.group_size, self.kernel_form)
 
 
 def pack_int4_for_cpu(codes: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hearth.inference import quantization
+from hearth.inference import int8_kernels, quantization
 from hearth.inference.int8_kernels import fbgemm_row_product, fbgemm_shared_product, int8_rows_on_cpu, pack_for_fbgemm
 from hearth.inference.weight_codes import int8_per_channel
 from hearth.inference.quantization import QuantizedLinear, parse_quantization
@@ -123,7 +123,8 @@ def test_linears_reading_one_input_share_one_product_and_give_what_each_gives_al
 def test_a_shared_input_changed_in_place_is_computed_again():
     codes, scales = int8_weights(3)
     packed = pack_for_fbgemm(codes, scales)
-    shared = fbgemm_shared_product([packed, pack_for_fbgemm(codes[:64], scales[:64])])
+    shared = fbgemm_shared_product(torch.cat([codes, codes[:64]]), torch.cat([scales, scales[:64]]),
+                                   [OUT_FEATURES, 64])
     rows = heavy_tailed_rows(2)
     before = shared.columns(0, rows)
     assert torch.equal(before, fbgemm_row_product(rows, packed))
@@ -131,3 +132,30 @@ def test_a_shared_input_changed_in_place_is_computed_again():
     changed = shared.columns(1, rows)
     assert torch.equal(changed, fbgemm_row_product(rows, packed)[:, :64])
     assert not torch.equal(changed[1], before[1, :64])
+
+
+@needs_fbgemm
+def test_linears_reading_one_input_are_packed_once_together_and_none_alone_first(monkeypatch):
+    packed_rows: list[int] = []
+    pack = int8_kernels.pack_for_fbgemm
+
+    def counted(codes, scales):
+        packed_rows.append(codes.shape[0])
+        return pack(codes, scales)
+
+    monkeypatch.setattr(int8_kernels, "pack_for_fbgemm", counted)
+    monkeypatch.setattr(quantization, "pack_for_fbgemm", counted)
+    attention = nn.Module()
+    attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj = (
+        nn.Linear(IN_FEATURES, width) for width in (OUT_FEATURES, 64, 64, IN_FEATURES))
+    quantization.quantize_linears(attention, parse_quantization("int8"))
+    assert sorted(packed_rows) == sorted([OUT_FEATURES + 64 + 64, IN_FEATURES])
+
+
+def test_codes_left_unpacked_are_refused_rather_than_multiplied():
+    held = QuantizedLinear(nn.Linear(IN_FEATURES, OUT_FEATURES), parse_quantization("int8"), pack=False)
+    if int8_rows_on_cpu():
+        with pytest.raises(quantization.QuantizationError, match="left unpacked"):
+            held(torch.zeros(1, IN_FEATURES))
+        held.pack_codes()
+    assert held(torch.zeros(1, IN_FEATURES)).shape == (1, OUT_FEATURES)
