@@ -54,12 +54,16 @@ def checkpoint(kind: str, tiny_model_dir, tiny_gguf, tmp_path):
         return tiny_gguf("llama", GGMLQuantizationType.F16)[0]
     if kind == "gguf-q8_0":
         return tiny_gguf("llama", GGMLQuantizationType.Q8_0)[0]
+    if kind.startswith("gguf-f16-"):  # the other architectures' tensor processors
+        return tiny_gguf(kind.removeprefix("gguf-f16-"), GGMLQuantizationType.F16)[0]
     source, _ = tiny_gguf("llama", GGMLQuantizationType.F32, intermediate_size=Q6_K_ROW)
     return q4_k_m_like(source, tmp_path / "mix.gguf", more_bits_layers=(LO, HI))  # attn_v Q8_0, ffn_down Q6_K
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4/g32"])
-@pytest.mark.parametrize("kind", ["safetensors-llama", "safetensors-qwen2", "gguf-f16", "gguf-q8_0", "gguf-mix"])
+@pytest.mark.parametrize(("kind", "scheme"), [
+    *((kind, scheme) for kind in ("safetensors-llama", "safetensors-qwen2", "gguf-f16", "gguf-q8_0", "gguf-mix")
+      for scheme in ("int8", "int4/g32")),
+    *((f"gguf-f16-{architecture}", "int8") for architecture in ("qwen2", "qwen3", "phi3", "gemma2", "gemma3"))])
 def test_linears_rounded_from_rows_are_those_rounded_from_the_whole_weight(kind, scheme, tiny_model_dir, tiny_gguf,
                                                                           tmp_path, monkeypatch):
     path = checkpoint(kind, tiny_model_dir, tiny_gguf, tmp_path)
@@ -72,7 +76,7 @@ def test_linears_rounded_from_rows_are_those_rounded_from_the_whole_weight(kind,
     linears = held_linears(runner)
     from_floats = {name for name, linear in linears.items()
                    if linear.scheme.kind == "int8" or kind != "gguf-mix"}  # the mix's 4-bit blocks are held as stored
-    assert len(linears) == 7 * (HI - LO + 1) and from_floats
+    assert len(linears) == (4 if kind.endswith("phi3") else 7) * (HI - LO + 1) and from_floats
     assert not from_floats & set(whole_reads), "a Linear rounded from floats was read whole"
     dense = load_layer_range(path, LO, HI, quantization="none", **RUNNER_KV_LIMITS)
     assert runner.checkpoint_bytes_read == dense.checkpoint_bytes_read  # every weight's rows read, and counted
