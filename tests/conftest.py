@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def files_scheduled(items: list[pytest.Item]) -> list[pytest.Item]:
     """`items` a file at a time (each file's tests in their order): first the files marked scheduled_first (each
     holds a worker for half a minute or more, so none is the last a worker starts while the others are done), then
-    the others with the most tests first (pytest-xdist's own order, which the suite's --no-loadscope-reorder
+    the others with the most tests first (pytest-xdist's own order, which `make test`'s --no-loadscope-reorder
     leaves to this)."""
     by_file: dict[Path, list[pytest.Item]] = {}
     for item in items:
