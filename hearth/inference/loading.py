@@ -10,7 +10,7 @@ file, so a checkpoint must not be rewritten in place while it is being served. T
 another dtype or sent to a GPU are written straight into their final tensor, a few MiB at a time, so
 loading a range never needs more host memory than its weights plus one such chunk. A weight int4 rounds on the CPU is
 read from the codes an earlier load kept on disk where they are (hearth/inference/int4_code_cache.py), not from the
-checkpoint.
+checkpoint; on the CPU a weight rounded from floats is read a chunk of rows at a time (hearth/inference/layer_forms.py).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class _Skeleton:
                                                              scheme.label)
         held = {one.linear for one in held_otherwise}
         return [RoundedOnCPU(parent, child_name, linear, self.name_of(linear) + ".weight",
-                              self.code_caches[scheme.label])
+                             self.code_caches[scheme.label])
                 for parent, child_name, linear in dense_linears(layer) if linear not in held]
 
     def materialize_layer(self, layer: nn.Module, scheme: QuantizationScheme) -> list[str]:
