@@ -28,9 +28,9 @@ LO, HI = 0, 1
 Q6_K_ROW = 256
 
 
-def whole_weight_products(path, linears: dict[str, QuantizedLinear]) -> dict[str, nn.Module]:
+def whole_weight_products(path, linears: dict[str, QuantizedLinear], dtype) -> dict[str, nn.Module]:
     """For each loaded Linear, the same scheme rounded from its weight (and bias) read whole, as `read` gives it."""
-    skeleton = open_skeleton(path, dtype=None, device=None, attn_implementation=None, model_id=None, revision=None,
+    skeleton = open_skeleton(path, dtype=dtype, device=None, attn_implementation=None, model_id=None, revision=None,
                              cache_dir=None, local_files_only=None)
     references = {}
     for name, linear in linears.items():
@@ -46,8 +46,10 @@ def whole_weight_products(path, linears: dict[str, QuantizedLinear]) -> dict[str
 
 
 def checkpoint(kind: str, tiny_model_dir, tiny_gguf, tmp_path):
-    if kind == "safetensors-llama":
+    if kind in ("safetensors-llama", "safetensors-llama-bf16"):
         return tiny_model_dir("llama")
+    if kind == "safetensors-sharded":
+        return tiny_model_dir("llama", max_shard_size="100KB")
     if kind == "safetensors-qwen2":  # biases on q, k and v
         return tiny_model_dir("qwen2")
     if kind == "gguf-f16":  # Q and K rows stored in llama.cpp's rotary order
@@ -61,7 +63,8 @@ def checkpoint(kind: str, tiny_model_dir, tiny_gguf, tmp_path):
 
 
 @pytest.mark.parametrize(("kind", "scheme"), [
-    *((kind, scheme) for kind in ("safetensors-llama", "safetensors-qwen2", "gguf-f16", "gguf-q8_0", "gguf-mix")
+    *((kind, scheme) for kind in ("safetensors-llama", "safetensors-llama-bf16", "safetensors-sharded",
+                                  "safetensors-qwen2", "gguf-f16", "gguf-q8_0", "gguf-mix")
       for scheme in ("int8", "int4/g32")),
     *((f"gguf-f16-{architecture}", "int8") for architecture in ("qwen2", "qwen3", "phi3", "gemma2", "gemma3"))])
 def test_linears_rounded_from_rows_are_those_rounded_from_the_whole_weight(kind, scheme, tiny_model_dir, tiny_gguf,
@@ -71,20 +74,21 @@ def test_linears_rounded_from_rows_are_those_rounded_from_the_whole_weight(kind,
     monkeypatch.setattr(weight_codes, "QUANTIZE_ROWS_PER_CHUNK", weight_codes.INT4_PACK_ROWS)
     whole_reads = whole_reads_of(GGUFCheckpoint if kind.startswith("gguf") else SafetensorsCheckpoint, monkeypatch)
 
-    runner = load_layer_range(path, LO, HI, quantization=scheme, **RUNNER_KV_LIMITS)
+    dtype = torch.bfloat16 if kind.endswith("bf16") else None  # rows rounded to the dtype first, as a read is
+    runner = load_layer_range(path, LO, HI, dtype=dtype, quantization=scheme, **RUNNER_KV_LIMITS)
 
     linears = held_linears(runner)
     from_floats = {name for name, linear in linears.items()
                    if linear.scheme.kind == "int8" or kind != "gguf-mix"}  # the mix's 4-bit blocks are held as stored
     assert len(linears) == (4 if kind.endswith("phi3") else 7) * (HI - LO + 1) and from_floats
     assert not from_floats & set(whole_reads), "a Linear rounded from floats was read whole"
-    dense = load_layer_range(path, LO, HI, quantization="none", **RUNNER_KV_LIMITS)
+    dense = load_layer_range(path, LO, HI, dtype=dtype, quantization="none", **RUNNER_KV_LIMITS)
     assert runner.checkpoint_bytes_read == dense.checkpoint_bytes_read  # every weight's rows read, and counted
     if kind == "gguf-mix":
         assert {linear.scheme for name, linear in linears.items() if name in from_floats} == {
             parse_quantization("int8")}
         assert len(from_floats) == 2 * (HI - LO + 1)
-    references = whole_weight_products(path, {name: linears[name] for name in from_floats})
+    references = whole_weight_products(path, {name: linears[name] for name in from_floats}, dtype)
     torch.manual_seed(0)
     for name in sorted(from_floats):
         rows = torch.randn(3, linears[name].in_features)
