@@ -341,7 +341,6 @@ class SafetensorsCheckpoint:
                     self.bytes_read += math.prod(shape) * source.itemsize
         return tensors
 
-
     def stored_form(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """The tensor's shape and stored dtype, from its file's header (none of its data read)."""
         if name not in self._file_of:

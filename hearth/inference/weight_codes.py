@@ -140,9 +140,8 @@ def packed_int4_codes(shape: tuple[int, int], group_size: int,
 
 def int4_codes(weight: torch.Tensor, group_size: int) -> Int4Codes:
     """``int4_grouped_codes`` of ``weight``, rounded a chunk of rows at a time in float32 and packed for torch's CPU
-    int4 kernel."""
-    return packed_int4_codes(tuple(weight.shape), group_size,
-                             lambda first, last: int4_grouped_codes(weight[first:last].float(), group_size))
+    int4 kernel (int4_codes_of_rows of its rows)."""
+    return int4_codes_of_rows(tuple(weight.shape), group_size, iter(weight.split(rows_per_chunk(weight.shape[0]))))
 
 
 def int4_codes_of_rows(shape: tuple[int, int], group_size: int, chunks: Iterator[torch.Tensor]) -> Int4Codes:

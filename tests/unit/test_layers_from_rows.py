@@ -108,7 +108,8 @@ def test_int4_codes_of_rows_are_the_whole_weights():
     chunks = weight.split(weight_codes.rows_per_chunk(weight.shape[0]))
     assert len(chunks) == 3
     chunked = weight_codes.int4_codes_of_rows(tuple(weight.shape), 32, iter(chunks))
-    whole = weight_codes.int4_codes(weight, 32)
+    whole = weight_codes.packed_int4_codes(  # each row range rounded from the whole weight
+        tuple(weight.shape), 32, lambda first, last: weight_codes.int4_grouped_codes(weight[first:last], 32))
     assert torch.equal(chunked.packed_codes, whole.packed_codes)
     assert torch.equal(chunked.scales_and_zeros, whole.scales_and_zeros)
 
